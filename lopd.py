@@ -1,0 +1,209 @@
+"""The math of on-policy self-distillation and of LOPD, as pure functions (DESIGN §2-3).
+
+    token_logp        log π(y_t | y<t) of the sampled tokens
+    divergence        per-token D(student ‖ teacher): reverse KL, forward KL, generalized JSD
+    topk_divergence   the same over the teacher's top-k tokens plus one "tail" bucket
+    distill_loss      L_distill = Σ_{t∈A} D(π_θ ‖ sg π_T) / |A|                         (§2)
+    Composer          retrieved experiences -> K latent tokens each (an MLP; the paper uses a Q-Former)
+    teacher_inputs    [context (text or latents) ; trajectory] as one left-padded inputs_embeds batch
+    privileged_margin Δ(φ) = mean_τ A(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t)   (§3.5)
+    composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖²                      (§3.5)
+    dual_update       β ← max(0, β + η_β (m − Δ))
+    group_advantage   GRPO's (r − mean)/std over a group of G rollouts of one task
+    ppo_clip_loss     PPO-clip policy gradient, token mean
+
+Shapes: B rollouts, T tokens, V vocabulary, d model width, K latents per experience,
+J experiences per task. `mask` is the agent-token mask A: 1 on tokens the agent
+generated, 0 on prompt, observation and padding tokens. Nothing here does I/O or keeps
+state; train.py owns the models and the loop.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def token_logp(logits, y):
+    """log π(y_t) for the sampled tokens. logits (B, T, V), y (B, T) -> (B, T)."""
+    return torch.gather(F.log_softmax(logits.float(), -1), -1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(x, mask):
+    """Mean of x over the positions where mask is 1 (0 if there are none)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _kl(logp, logq):
+    """KL(p ‖ q) = Σ_v p (log p − log q) over the last dim; 0·log 0 counts as 0."""
+    p = logp.exp()
+    return (p * (logp - logq)).masked_fill(p == 0, 0.0).sum(-1)
+
+
+def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
+    """Per-position divergence between two (…, V) log-distributions -> (…).
+
+    rkl: KL(student ‖ teacher), mode-seeking: the student is punished for mass where the
+         teacher has none (the OPSD/LOPD default).
+    fkl: KL(teacher ‖ student), mass-covering.
+    jsd: generalized JSD(β) = β KL(T ‖ M) + (1−β) KL(S ‖ M), M = β T + (1−β) S
+         (Agarwal et al. 2024, GKD; OPSD uses β = 0.5, the symmetric JSD).
+    """
+    if kind == 'rkl':
+        return _kl(logp_s, logp_t)
+    if kind == 'fkl':
+        return _kl(logp_t, logp_s)
+    if kind == 'jsd':
+        # log M computed in log space: log(β e^{log T} + (1−β) e^{log S})
+        logm = torch.logsumexp(torch.stack([logp_t + torch.log(torch.tensor(beta)),
+                                            logp_s + torch.log(torch.tensor(1 - beta))]), 0)
+        return beta * _kl(logp_t, logm) + (1 - beta) * _kl(logp_s, logm)
+    raise ValueError(f'unknown divergence {kind!r}')
+
+
+def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
+    """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T)."""
+    return divergence_from_logp(F.log_softmax(logits_s.float(), -1), F.log_softmax(logits_t.float(), -1), kind, beta)
+
+
+def _with_tail(topk_logp):
+    """Append the tail bucket log(1 − Σ_topk p). (…, k) -> (…, k+1).
+
+    The clamp keeps log(0) finite when the top-k hold all the mass (k = V); the tail then
+    has ~1e-7 mass on both sides and contributes ~0 to the divergence."""
+    log_top = torch.logsumexp(topk_logp, -1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([topk_logp, torch.log(-torch.expm1(log_top))], -1)
+
+
+def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
+    """Divergence over the teacher's top-k tokens + one tail bucket, for big vocabularies.
+
+    Both distributions are read at the *teacher's* top-k ids, so the buckets match.
+    With k = V it equals the full-vocabulary divergence. logits (B, T, V) -> (B, T)."""
+    logp_s, logp_t = F.log_softmax(logits_s.float(), -1), F.log_softmax(logits_t.float(), -1)
+    idx = logp_t.topk(min(k, logp_t.shape[-1]), -1).indices       # (B, T, k)
+    s = _with_tail(torch.gather(logp_s, -1, idx))                  # (B, T, k+1)
+    t = _with_tail(torch.gather(logp_t, -1, idx))                  # (B, T, k+1)
+    return divergence_from_logp(s, t, kind, beta)
+
+
+def distill_loss(logits_s, logits_t, mask, kind='rkl', topk=0, beta=0.5):
+    """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A|   (DESIGN §2).
+
+    One forward pass per role already scored every prefix (causal attention), so this
+    is a masked mean over positions. The teacher is detached: gradients reach θ only."""
+    logits_t = logits_t.detach()
+    d = topk_divergence(logits_s, logits_t, topk, kind, beta) if topk else divergence(logits_s, logits_t, kind, beta)
+    return masked_mean(d, mask)
+
+
+# ----------------------------------------------------------------------------- LOPD composer
+
+class Composer(nn.Module):
+    """φ: one retrieved experience, as read by the frozen base model, -> K latent tokens.
+
+    The frozen model's hidden states h (N, L, d) over "task to solve: x / reference past
+    trajectory: m_j" are mean-pooled into K contiguous segments, then an MLP (d -> 2d -> d)
+    maps each pooled vector into the model's input-embedding space. We use an MLP where
+    the paper uses a Q-Former with 32 learned queries: the user asked for an MLP, and with
+    K = 4 segments the pooling already gives each latent its own slice of the experience.
+    """
+
+    def __init__(self, d, K):
+        super().__init__()
+        self.K = K
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, h, mask):
+        """h (N, L, d), mask (N, L) -> z (N, K, d)."""
+        return self.mlp(segment_pool(h, mask, self.K))
+
+
+def segment_pool(h, mask, K):
+    """Mean of h over K contiguous, near-equal segments of each row's real tokens.
+
+    e.g. 6 real tokens, K = 3 -> segments {0,1} {2,3} {4,5}. h (N, L, d), mask (N, L) -> (N, K, d)."""
+    mask = mask.to(h.dtype)
+    n = mask.sum(-1, keepdim=True).clamp(min=1)                                # (N, 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)                                   # (N, L) index among real tokens
+    seg = torch.div(pos * K, n, rounding_mode='floor').long().clamp(max=K - 1)  # (N, L)
+    w = F.one_hot(seg, K).to(h.dtype) * mask.unsqueeze(-1)                     # (N, L, K)
+    w = w / w.sum(1, keepdim=True).clamp(min=1)                                # average within a segment
+    return torch.einsum('nlk,nld->nkd', w, h)                                  # (N, K, d)
+
+
+def teacher_inputs(prefixes, body, body_mask):
+    """Put each row's privileged context in front of its trajectory, as inputs_embeds.
+
+    prefixes: list of B tensors (P_i, d) — the context for row i: embedded framing text
+      with latent tokens z spliced in (LOPD), or an embedded text context (OPSD, ...).
+    body: (B, T, d) embedded trajectory, body_mask (B, T).
+    Prefixes are left-padded to P = max P_i, so every row's trajectory starts at index P
+    and teacher position P−1+t predicts the same token as student position t−1... i.e.
+    the teacher's logits[:, P-1:P-1+T] line up with the student's logits[:, :T].
+    -> embeds (B, P+T, d), mask (B, P+T), P."""
+    B, T, d = body.shape
+    P = max(p.shape[0] for p in prefixes)
+    pre = body.new_zeros(B, P, d)
+    pre_mask = body_mask.new_zeros(B, P)
+    for i, p in enumerate(prefixes):
+        if p.shape[0]:
+            pre[i, P - p.shape[0]:] = p
+            pre_mask[i, P - p.shape[0]:] = 1
+    return torch.cat([pre, body], 1), torch.cat([pre_mask, body_mask], 1), P
+
+
+def privileged_margin(logp_t, logp_s, mask, reward):
+    """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
+    A(τ) = 2r(τ) − 1 (DESIGN §3.5). Positive when the latent context makes the teacher
+    more likely than the student on successful behaviour and less likely on failures.
+    logp_t, logp_s, mask (B, T); reward (B,) in {0, 1} -> scalar."""
+    delta = logp_t - logp_s.detach()                                            # (B, T)
+    m = mask.to(delta.dtype)
+    delta_traj = (delta * m).sum(-1) / m.sum(-1).clamp(min=1)                   # (B,) mean over agent tokens
+    A = 2 * reward.to(delta.dtype) - 1                                          # (B,)
+    return (A * delta_traj).mean()
+
+
+def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0):
+    """The composer's objective (DESIGN §3.5), minimised over φ only:
+
+        KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
+
+    The KL keeps the teacher close to the student (stable targets), the margin term makes
+    the latents carry reward-relevant information, the anchor keeps them near the
+    cold-start latents. ‖·‖² is the mean squared entry, so λ does not scale with d·K.
+    -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
+    logits_s = logits_s.detach()
+    kl = masked_mean(divergence(logits_s, logits_t, 'rkl'), mask)
+    delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward)
+    anchor = ((z - z0.detach()) ** 2).mean()
+    loss = kl + beta * (margin - delta) + lam * anchor
+    return loss, delta.detach(), anchor.detach()
+
+
+def dual_update(beta, margin, delta, eta):
+    """β ← max(0, β + η_β (m − Δ)): the multiplier rises while the margin is unmet."""
+    return max(0.0, beta + eta * (margin - float(delta)))
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+def group_advantage(reward, G, eps=1e-4):
+    """GRPO advantage (r − mean)/std within each group of G consecutive rollouts of one task.
+
+    e.g. G = 4, r = [1, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5] (unbiased std = 0.5).
+    A group with equal rewards gets 0 everywhere: no signal, as in GRPO. (N,) -> (N,)."""
+    r = reward.float().view(-1, G)                                              # (N/G, G)
+    std = r.std(-1, keepdim=True) if G > 1 else torch.ones_like(r)
+    return ((r - r.mean(-1, keepdim=True)) / (std + eps)).view(-1)
+
+
+def ppo_clip_loss(logp, logp_old, adv, mask, eps_lo=0.2, eps_hi=0.2):
+    """PPO-clip: −mean_{t∈A} min(ρ_t A, clip(ρ_t, 1−ε_lo, 1+ε_hi) A), ρ_t = π_θ(y_t)/π_old(y_t).
+
+    Token mean over every agent token of the batch (DAPO-style), no KL term.
+    logp, logp_old, mask (B, T); adv (B,) -> scalar."""
+    ratio = torch.exp(logp - logp_old.detach())                                 # (B, T)
+    A = adv.unsqueeze(-1)                                                       # (B, 1)
+    obj = torch.minimum(ratio * A, ratio.clamp(1 - eps_lo, 1 + eps_hi) * A)     # (B, T)
+    return -masked_mean(obj, mask)

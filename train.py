@@ -1,0 +1,669 @@
+"""Train a small agent with on-policy self-distillation: LOPD and its baselines.
+
+One LOPD training step (DESIGN §3; one rollout per task, G = 1):
+  1. rollout         the student samples one multi-turn episode per task (KV cache)
+  2. retrieve        top-J successful past trajectories of similar tasks from the bank
+  3. compose         the frozen base reads each; the composer φ maps it to K latent tokens
+  4. teacher_phase   the frozen teacher π_θ0(·|z, x, y<t) scores every agent token
+  5. student_phase   one optimizer step of θ on L_distill = KL(π_θ ‖ sg π_T), agent tokens
+  6. composer_phase  one step of φ on the privileged-margin objective; dual update of β
+  7. write_back      new successful rollouts go into the bank
+Before step 1, once: warm-up (supervised on noisy-expert demos, cached under runs/ and
+shared by every method), and the LOPD cold start (fill the bank with base rollouts,
+which count toward the episode budget, then pre-train φ by the frozen teacher's NLL of
+successful trajectories given the latents of *other* tasks' experiences).
+
+Baselines, same base and budget: `grpo` (PPO-clip, group advantage, G = 4) and `opsd`
+(frozen θ0 shown the task's reference solution as text, JSD 0.5). A new variant is one
+context builder plus one entry in METHODS (the block marked FORK HERE).
+
+Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and its
+clip never binds (the loss is the clipped objective all the same); the teacher forward
+for LOPD is run once with φ's graph kept and reused by the student phase (detached)
+and the composer phase, which gives the same numbers as two separate forwards.
+"""
+import argparse
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import envs
+import lopd
+import model as M
+import retrieval
+
+MAX_OBS_CHARS = 100  # observations are cut to this many characters before tokenizing
+
+
+def arg(default, help):
+    return field(default=default, metadata={'help': help})
+
+
+@dataclass
+class Args:
+    method: str = arg('lopd', 'method: ' + ', '.join(['lopd', 'grpo', 'opsd']))
+    env: str = arg('tooluse', 'environment: ' + ', '.join(envs.ENVS))
+    seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)')
+    episodes: int = arg(3072, 'rollout budget: episodes sampled in total (LOPD: bank filling included)')
+    batch: int = arg(64, 'episodes per training step (GRPO: tasks × group)')
+    lr: float = arg(0.0, 'student learning rate (0 = the method default)')
+    eval_every: int = arg(8, 'steps between held-out evaluations')
+    name: str = arg('', 'run name (default: <method>-<env>-s<seed>)')
+    out_dir: str = arg('runs', 'where runs/<name>/ and the warm-up cache go')
+    resume: str = arg('', 'resume from a run folder or its ckpt.pt')
+    model: str = arg('', 'transformers causal LM name or path (default: the offline tiny Llama)')
+    d_model: int = arg(128, 'tiny Llama width')
+    n_layer: int = arg(4, 'tiny Llama depth')
+    warmup_steps: int = arg(300, 'supervised warm-up steps on noisy-expert demos')
+    warmup_batch: int = arg(64, 'demos per warm-up step')
+    warmup_lr: float = arg(3e-3, 'warm-up learning rate')
+    divergence: str = arg('', 'distillation divergence: rkl, fkl, jsd (default: per method)')
+    topk: int = arg(0, 'distil over the teacher top-k + a tail bucket (0 = full vocabulary)')
+    K: int = arg(4, 'LOPD: latent tokens per retrieved experience')
+    J: int = arg(3, 'LOPD: experiences retrieved per task')
+    margin: float = arg(0.05, 'LOPD: privileged margin m (0 = ablation)')
+    lam: float = arg(0.2, 'LOPD: anchor weight λ on ‖z − z0‖²')
+    eta_beta: float = arg(0.5, 'LOPD: dual step size η_β for the margin multiplier β')
+    lr_composer: float = arg(0.0, 'LOPD: composer learning rate (0 = the student lr)')
+    init_episodes: int = arg(512, 'LOPD: base rollouts that fill the bank before cold start')
+    cold_start_steps: int = arg(300, 'LOPD: composer pre-training steps (teacher NLL)')
+    frozen_composer: bool = arg(False, 'LOPD ablation: keep φ at its cold start (no composer phase)')
+    allow_same_task: bool = arg(False, 'LOPD: let retrieval return this very task instance')
+    bank_capacity: int = arg(4000, 'LOPD: experience bank size (FIFO)')
+    teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)')
+    device: str = arg('auto', 'auto, cpu, cuda or mps')
+
+
+def die(msg):
+    print(f'train.py: error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        die(message)
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split('\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Args):
+        if f.type is bool or f.type == 'bool':
+            p.add_argument(f'--{f.name}', action='store_true', help=f.metadata['help'])
+        else:
+            p.add_argument(f'--{f.name}', type=type(f.default), default=f.default, help=f.metadata['help'])
+    a = Args(**vars(p.parse_args(argv)))
+    check_args(a)
+    return a
+
+
+def check_args(a):
+    """Every argument checked up front: one line naming the problem, exit status 2."""
+    if a.method not in METHODS:
+        die(f"--method {a.method!r} is not one of {', '.join(METHODS)}")
+    if a.env not in envs.ENVS:
+        die(f"--env {a.env!r} is not one of {', '.join(envs.ENVS)}")
+    for k in ['episodes', 'batch', 'eval_every', 'd_model', 'n_layer', 'warmup_batch']:
+        if getattr(a, k) <= 0:
+            die(f'--{k} must be positive, got {getattr(a, k)}')
+    for k in ['lr', 'warmup_lr', 'lr_composer', 'lam', 'eta_beta', 'margin', 'topk', 'K', 'init_episodes',
+              'cold_start_steps', 'warmup_steps', 'teacher_eval']:
+        if getattr(a, k) < 0:
+            die(f'--{k} must be >= 0, got {getattr(a, k)}')
+    if a.J <= 0 or a.bank_capacity <= 0:
+        die('--J and --bank_capacity must be positive')
+    if a.divergence and a.divergence not in ('rkl', 'fkl', 'jsd'):
+        die(f'--divergence {a.divergence!r} is not one of rkl, fkl, jsd')
+    if a.batch % METHODS[a.method].group:
+        die(f'--batch {a.batch} must be a multiple of the group size {METHODS[a.method].group} of {a.method}')
+    if a.resume and not os.path.exists(a.resume):
+        die(f'--resume path does not exist: {a.resume}')
+    if a.device not in ('auto', 'cpu', 'cuda', 'mps'):
+        die(f'--device {a.device!r} is not one of auto, cpu, cuda, mps')
+    if a.device == 'cuda' and not torch.cuda.is_available():
+        die('--device cuda asked for, but torch sees no CUDA device')
+
+
+# ----------------------------------------------------------------------------- tokens of an episode
+
+def obs_ids(tok, text):
+    return [tok.obs] + tok.encode(text[:MAX_OBS_CHARS]) + [tok.agent]
+
+
+def encode_episode(tok, ep):
+    """An episode as the student sees it (no <|bos|>) and its agent-token mask.
+
+    <|obs|> task <|agent|> a1 <|eot|> <|obs|> o1 <|agent|> a2 <|eot|> ...
+    mask = 1 on action tokens and their <|eot|> (what the agent generated), 0 elsewhere."""
+    ids = obs_ids(tok, ep.task.prompt)
+    mask = [0] * len(ids)
+    for action, obs in ep.turns:
+        a = tok.encode(action) + [tok.eot]
+        ids, mask = ids + a, mask + [1] * len(a)
+        if obs:
+            o = obs_ids(tok, obs)
+            ids, mask = ids + o, mask + [0] * len(o)
+    return ids, mask
+
+
+def pad_batch(seqs, masks, pad, device):
+    """Right-pad bodies -> ids (B, T), agent mask (B, T), attention mask (B, T)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    amask = torch.zeros(len(seqs), T)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, :len(s)], amask[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), torch.tensor(m, dtype=torch.float), 1
+    return ids.to(device), amask.to(device), attn.to(device)
+
+
+# ----------------------------------------------------------------------------- rollout (step 1)
+
+def bos_prefix(model, tok, n):
+    """The student's 'context': just <|bos|>, as (1, d) embeddings per row."""
+    return [M.embed(model, torch.tensor([tok.bos], device=model.device))] * n
+
+
+@torch.no_grad()
+def generate(model, tok, prefixes, bodies, max_new, greedy):
+    """Sample one agent turn per row, with a KV cache, until <|eot|> or max_new tokens.
+
+    prefixes: list of (P_i, d) context embeddings; bodies: list of token lists.
+    Rows are left-padded so that every row's next token is at the last position."""
+    rows = [torch.cat([p, M.embed(model, torch.tensor(b, device=model.device))]) for p, b in zip(prefixes, bodies)]
+    L, B = max(r.shape[0] for r in rows), len(rows)
+    E = rows[0].new_zeros(B, L, rows[0].shape[1])
+    mask = torch.zeros(B, L, dtype=torch.long, device=model.device)
+    for i, r in enumerate(rows):
+        E[i, L - r.shape[0]:], mask[i, L - r.shape[0]:] = r, 1
+    logits, cache = M.forward(model, E, mask, use_cache=True)
+    pos = mask.sum(-1, keepdim=True) - 1                                        # (B, 1) position of the last token
+    out, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device)
+    for _ in range(max_new):
+        last = logits[:, -1].float()                                            # (B, V)
+        nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last, -1), 1).squeeze(-1)
+        for i in (~done).nonzero().flatten().tolist():
+            out[i].append(int(nxt[i]))
+        done |= nxt == tok.eot
+        if done.all():
+            break
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        logits, cache = M.forward(model, M.embed(model, nxt[:, None]), mask, past=cache, pos=pos, use_cache=True)
+    return out
+
+
+@torch.no_grad()
+def rollout(model, tok, env, tasks, greedy=False, prefixes=None):
+    """Step 1. Play one episode per task, all rows in one batch, turn by turn.
+
+    Within a turn the agent's tokens come from the KV cache; between turns the env's
+    observation is appended and the prefix is re-read once (cheap next to decoding).
+    -> episodes, bodies (token lists without <|bos|>), agent masks (1 = agent-generated)."""
+    prefixes = prefixes or bos_prefix(model, tok, len(tasks))
+    eps = [env.reset(t) for t in tasks]
+    bodies = [obs_ids(tok, t.prompt) for t in tasks]
+    masks = [[0] * len(b) for b in bodies]
+    for _ in range(env.max_turns):
+        live = [i for i, e in enumerate(eps) if not e.done]
+        if not live:
+            break
+        outs = generate(model, tok, [prefixes[i] for i in live], [bodies[i] for i in live],
+                        env.max_action_tokens, greedy)
+        for i, out in zip(live, outs):
+            bodies[i] += out
+            masks[i] += [1] * len(out)                                          # only what the agent generated
+            step = env.step(eps[i], tok.decode([t for t in out if t != tok.eot]))
+            if not step.done:
+                o = obs_ids(tok, step.obs)
+                bodies[i] += o
+                masks[i] += [0] * len(o)                                        # observations get no loss
+    return eps, bodies, masks
+
+
+def logits_on(model, prefixes, ids, attn):
+    """Score every prefix of the trajectories in one forward: (B, T, V), where row i,
+    position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t."""
+    E, mask, P = lopd.teacher_inputs(prefixes, M.embed(model, ids), attn)
+    logits, _ = M.forward(model, E, mask)
+    return logits[:, P - 1:P - 1 + ids.shape[1]]
+
+
+# ----------------------------------------------------------------------------- FORK HERE: teacher contexts
+
+def text_prefix(model, tok, texts):
+    """<|bos|><|ctx|> text, embedded by the teacher: a privileged context given as text."""
+    return [M.embed(model, torch.tensor([tok.bos, tok.ctx] + tok.encode(t), device=model.device)) for t in texts]
+
+
+def opsd_context(run, eps):
+    """OPSD: the frozen base is shown this task's reference solution."""
+    return text_prefix(run.teacher, run.tok, [f'reference solution: {e.task.solution}\n' for e in eps])
+
+
+def lopd_context(run, eps, keep_graph=False):
+    """LOPD, steps 2-3: retrieve J experiences per task and compose them into latents.
+
+    -> prefixes <|bos|><|ctx|> past: z_1 … z_{J·K} \\n, plus the latents z and their
+    cold-start counterparts z0 (for the anchor), each (ΣN·K, d)."""
+    tasks = [e.task for e in eps]
+    found = run.bank.retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
+    run.log['family_hit'].append(run.bank.family_hit_rate([t.family for t in tasks], found))
+    with torch.set_grad_enabled(keep_graph):
+        z, z0 = compose(run, tasks, found)
+    head = M.embed(run.teacher, torch.tensor([run.tok.bos, run.tok.ctx] + run.tok.encode('past:'), device=run.device))
+    tail = M.embed(run.teacher, torch.tensor(run.tok.encode('\n'), device=run.device))
+    prefixes, k = [], 0
+    for f in found:
+        n = len(f) * run.args.K
+        prefixes.append(torch.cat([head, z[k:k + n], tail]))
+        k += n
+    return prefixes, z, z0
+
+
+def compose(run, tasks, found):
+    """Step 3: the frozen base reads 'task to solve: x / reference past trajectory: m_j';
+    the composer maps its hidden states to K latents per experience. -> z, z0 (N·K, d)."""
+    texts = [f'task to solve: {t.prompt}\nreference past trajectory: {m.text}' for t, f in zip(tasks, found) for m in f]
+    d = run.teacher.get_input_embeddings().weight.shape[1]
+    if not texts:
+        empty = torch.zeros(0, d, device=run.device)
+        return empty, empty
+    seqs = [run.tok.encode(s)[:256] for s in texts]
+    ids, _, attn = pad_batch(seqs, [[0] * len(s) for s in seqs], run.tok.pad, run.device)
+    with torch.no_grad():
+        h = M.hidden(run.teacher, ids, attn)                                    # (N, L, d) frozen reading
+        z0 = run.composer0(h, attn) if run.composer0 is not None else None
+    z = run.composer(h, attn)                                                   # (N, K, d)
+    z0 = z.detach() if z0 is None else z0
+    return z.reshape(-1, d), z0.reshape(-1, d)
+
+
+@dataclass
+class Method:
+    loss: str                 # 'distill' or 'grpo'
+    context: object = None    # (run, episodes) -> teacher prefixes; None = no teacher
+    divergence: str = 'rkl'
+    group: int = 1            # rollouts per task
+    lr: float = 1e-3
+
+
+METHODS = {
+    'lopd': Method('distill', lopd_context, 'rkl', 1, 1e-3),
+    'opsd': Method('distill', opsd_context, 'jsd', 1, 1e-3),
+    'grpo': Method('grpo', None, 'rkl', 4, 1e-4),
+}
+
+
+# ----------------------------------------------------------------------------- the phases
+
+def teacher_phase(run, eps, ids, attn):
+    """Step 4: the teacher scores every agent token. θ0 is frozen; for LOPD the graph
+    through the latents is kept so that the composer phase can reuse this forward."""
+    if run.args.method == 'lopd':
+        prefixes, z, z0 = lopd_context(run, eps, keep_graph=not run.args.frozen_composer)
+        return logits_on(run.teacher, prefixes, ids, attn), z, z0
+    with torch.no_grad():
+        return logits_on(run.teacher, run.method.context(run, eps), ids, attn), None, None
+
+
+def student_phase(run, ids, amask, attn, logits_t):
+    """Step 5: one step of θ on the distillation loss (teacher detached)."""
+    logits_s = logits_on(run.model, bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
+    loss = lopd.distill_loss(logits_s, logits_t, amask, run.divergence, run.args.topk)
+    optimizer_step(run, run.opt, loss, run.model)
+    return logits_s.detach(), loss.item()
+
+
+def composer_phase(run, logits_s, logits_t, ids, amask, reward, z, z0):
+    """Step 6: one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − z0‖², then β's dual update."""
+    a = run.args
+    loss, delta, anchor = lopd.composer_loss(logits_s, logits_t, ids, amask, reward, run.beta, a.margin, a.lam, z, z0)
+    optimizer_step(run, run.opt_phi, loss, run.composer)
+    run.beta = lopd.dual_update(run.beta, a.margin, delta, a.eta_beta)
+    return float(delta), float(anchor)
+
+
+def grpo_phase(run, eps, ids, amask, attn):
+    """GRPO: PPO-clip with the group-normalised advantage, one epoch (ratio = 1)."""
+    reward = torch.tensor([e.reward for e in eps], device=run.device)
+    logits = logits_on(run.model, bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
+    logp = lopd.token_logp(logits, ids)
+    loss = lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(reward, run.method.group), amask)
+    optimizer_step(run, run.opt, loss, run.model)
+    return float(loss)
+
+
+def write_back(run, eps):
+    """Step 7: successful rollouts join the bank (the bank keeps only reward > 0)."""
+    run.bank.add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt, run.env.trajectory_text(e), e.reward)
+                  for e in eps])
+
+
+def optimizer_step(run, opt, loss, module):
+    """One update, skipped (and counted) if the loss or a gradient is not finite."""
+    opt.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        run.log['skipped'].append(1)
+        return
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    if not torch.isfinite(norm):
+        run.log['skipped'].append(1)
+        opt.zero_grad(set_to_none=True)
+        return
+    opt.step()
+
+
+def train_step(run):
+    """One step of the chosen method on a fresh batch of episodes."""
+    a, G = run.args, run.method.group
+    tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // G) for _ in range(G)]
+    with run.timer('rollout'):
+        eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
+        ids, amask, attn = pad_batch(bodies, masks, run.tok.pad, run.device)
+    run.episodes += len(eps)
+    run.log['reward'].append(float(np.mean([e.reward for e in eps])))
+    if run.method.loss == 'grpo':
+        with run.timer('student'):
+            run.log['loss'].append(grpo_phase(run, eps, ids, amask, attn))
+    else:
+        with run.timer('teacher'):
+            logits_t, z, z0 = teacher_phase(run, eps, ids, attn)
+        with run.timer('student'):
+            logits_s, loss = student_phase(run, ids, amask, attn, logits_t.detach())
+            run.log['loss'].append(loss)
+        if a.method == 'lopd' and not a.frozen_composer:
+            with run.timer('composer'):
+                reward = torch.tensor([e.reward for e in eps], device=run.device)
+                delta, anchor = composer_phase(run, logits_s, logits_t, ids, amask, reward, z, z0)
+                run.log['delta'].append(delta)
+                run.log['anchor'].append(anchor)
+    if a.method == 'lopd':
+        write_back(run, eps)
+    run.step += 1
+
+
+# ----------------------------------------------------------------------------- warm-up, cold start, eval
+
+def warmup(args, tok, model, env, device):
+    """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method."""
+    key = json.dumps([env.name, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
+                      args.warmup_lr, M.SPECIALS, MAX_OBS_CHARS])
+    path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location=device)['model'])
+        return path, True
+    rng = random.Random(1234)  # the base is the same for every run seed: one base, many methods
+    torch.manual_seed(1234)
+    pool = env.make_tasks(20_000, seed=30_000, families=env.warmup_families, split='warm')
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+    for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
+        for g in opt.param_groups:  # cosine decay to 10%
+            g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
+        demos = [envs.play(env, t, env.demo(t, rng, noisy=True)) for t in rng.sample(pool, args.warmup_batch)]
+        seqs, masks = zip(*[encode_episode(tok, e) for e in demos])
+        ids, amask, attn = pad_batch(seqs, masks, tok.pad, device)
+        logits = logits_on(model, bos_prefix(model, tok, len(seqs)), ids, attn)
+        loss = lopd.masked_mean(-lopd.token_logp(logits, ids), amask)           # NLL of agent tokens only
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        bar.set_postfix(loss=f'{loss.item():.3f}')
+    os.makedirs(args.out_dir, exist_ok=True)
+    atomic_save({'model': model.state_dict(), 'key': key}, path)
+    return path, False
+
+
+def cold_start(run):
+    """LOPD cold start: fill the bank with base rollouts, then pre-train φ by maximising the
+    frozen teacher's likelihood of successful trajectories given retrieved latents."""
+    a = run.args
+    wins = []
+    for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
+        with run.timer('rollout'):
+            eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
+        run.episodes += len(eps)
+        write_back(run, eps)
+        wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
+    opt = torch.optim.AdamW(run.composer.parameters(), lr=run.lr_phi)
+    for _ in (bar := tqdm(range(a.cold_start_steps if wins else 0), desc='cold start', dynamic_ncols=True)):
+        with run.timer('cold_start'):
+            batch = run.rng.sample(wins, min(32, len(wins)))
+            eps, bodies, masks = zip(*batch)
+            ids, amask, attn = pad_batch(bodies, masks, run.tok.pad, run.device)
+            prefixes, _, _ = lopd_context(run, eps, keep_graph=True)
+            loss = lopd.masked_mean(-lopd.token_logp(logits_on(run.teacher, prefixes, ids, attn), ids), amask)
+            optimizer_step(run, opt, loss, run.composer)
+        bar.set_postfix(nll=f'{loss.item():.3f}')
+    run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Held-out success: greedy, the student alone, no privileged context. Plus the
+    teacher's own success when it decodes with its context (does the context carry
+    information?)."""
+    tasks = run.env.eval_tasks
+    eps = []
+    for i in range(0, len(tasks), 128):
+        eps += rollout(run.model, run.tok, run.env, tasks[i:i + 128], greedy=True)[0]
+    out = {'success': float(np.mean([e.reward for e in eps]))}
+    fam = {}
+    for e in eps:
+        fam.setdefault(e.task.family, []).append(e.reward)
+    out['family'] = {f: float(np.mean(v)) for f, v in fam.items()}
+    if run.method.context is not None and run.args.teacher_eval:
+        tasks = tasks[::max(1, len(tasks) // run.args.teacher_eval)][:run.args.teacher_eval]
+        probe = [run.env.reset(t) for t in tasks]
+        prefixes = run.method.context(run, probe)
+        prefixes = prefixes[0] if isinstance(prefixes, tuple) else prefixes
+        teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=prefixes)[0]
+        out['teacher_success'] = float(np.mean([e.reward for e in teps]))
+    return out
+
+
+# ----------------------------------------------------------------------------- plumbing: run state, checkpoints, plots
+
+class Run:
+    """Everything a training run holds; saved whole in ckpt.pt."""
+
+    def __init__(self, args):
+        self.args, self.method = args, METHODS[args.method]
+        self.divergence = args.divergence or self.method.divergence
+        self.device = pick_device(args.device)
+        self.step, self.episodes, self.beta, self.metrics, self.wall = 0, 0, 0.0, [], 0.0
+        self.times = {k: 0.0 for k in ['warmup', 'rollout', 'teacher', 'student', 'composer', 'cold_start', 'eval']}
+        self.log = {k: [] for k in ['loss', 'reward', 'delta', 'anchor', 'family_hit', 'skipped']}
+        self.rng = random.Random(args.seed)
+        self.dir = os.path.join(args.out_dir, args.name)
+
+    @contextlib.contextmanager
+    def timer(self, key):
+        t = time.time()
+        yield
+        self.times[key] += time.time() - t
+
+
+def pick_device(name):
+    if name != 'auto':
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device('cuda')
+    if getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available():
+        return torch.device('mps')
+    return torch.device('cpu')
+
+
+def atomic_save(obj, path):
+    """Write to a temp file and rename: a kill mid-write never leaves a corrupt file."""
+    torch.save(obj, path + '.tmp')
+    os.replace(path + '.tmp', path)
+
+
+def atomic_json(obj, path):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + '.tmp', path)
+
+
+def save_checkpoint(run):
+    state = {'args': dataclasses.asdict(run.args), 'step': run.step, 'episodes': run.episodes, 'beta': run.beta,
+             'metrics': run.metrics, 'times': run.times, 'model': run.model.state_dict(),
+             'opt': run.opt.state_dict(), 'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(),
+             'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0}
+    if run.args.method == 'lopd':
+        state.update(composer=run.composer.state_dict(), composer0=run.composer0.state_dict(),
+                     opt_phi=run.opt_phi.state_dict(), bank=run.bank.state_dict())
+    atomic_save(state, os.path.join(run.dir, 'ckpt.pt'))
+
+
+def load_checkpoint(run, path):
+    try:
+        state = torch.load(path, map_location=run.device, weights_only=False)
+        run.model.load_state_dict(state['model'])
+        run.opt.load_state_dict(state['opt'])
+        if run.args.method == 'lopd':
+            run.composer.load_state_dict(state['composer'])
+            run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
+            run.composer0.load_state_dict(state['composer0'])
+            run.opt_phi.load_state_dict(state['opt_phi'])
+            run.bank.load_state_dict(state['bank'])
+    except Exception as e:  # corrupt file, or a checkpoint of another config
+        die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
+    run.step, run.episodes, run.beta = state['step'], state['episodes'], state['beta']
+    run.metrics, run.times, run.wall = state['metrics'], state['times'], state['wall']
+    run.rng.setstate(state['rng'])
+    torch.set_rng_state(state['torch_rng'])
+    np.random.set_state(state['np_rng'])
+
+
+def plot(run):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    x = [m['episodes'] for m in run.metrics]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [m['success'] for m in run.metrics], 'o-', label=f'{run.args.method} student (greedy)')
+    if any('teacher_success' in m for m in run.metrics):
+        ax.plot(x, [m.get('teacher_success', np.nan) for m in run.metrics], 's--', alpha=0.6, label='teacher with context')
+    ax.set(xlabel='episodes sampled', ylabel='held-out success', ylim=(0, 1), title=f'{run.args.name}')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run.dir, 'curve.png'), dpi=100)
+    plt.close(fig)
+
+
+def record_eval(run):
+    with run.timer('eval'):
+        m = evaluate(run)
+    mean = lambda k: float(np.mean(run.log[k])) if run.log[k] else None
+    m.update(step=run.step, episodes=run.episodes, beta=run.beta, loss=mean('loss'), train_reward=mean('reward'),
+             delta=mean('delta'), anchor=mean('anchor'), family_hit=mean('family_hit'),
+             skipped=sum(run.log['skipped']), times={k: round(v, 2) for k, v in run.times.items()})
+    run.metrics.append(m)
+    for k in run.log:
+        if k != 'skipped':
+            run.log[k] = []
+    with open(os.path.join(run.dir, 'metrics.jsonl'), 'a') as f:
+        f.write(json.dumps(m) + '\n')
+    return m
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.resume:  # the saved config wins; only the budget may be raised
+        path = os.path.join(args.resume, 'ckpt.pt') if os.path.isdir(args.resume) else args.resume
+        if not os.path.isfile(path):
+            die(f'--resume: no checkpoint at {path}')
+        try:
+            saved = torch.load(path, map_location='cpu', weights_only=False)['args']
+        except Exception as e:
+            die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}')
+        args = Args(**{**saved, 'episodes': max(saved['episodes'], args.episodes), 'resume': path})
+    args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
+    print(json.dumps(dataclasses.asdict(args)))
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    t0 = time.time()
+    run = Run(args)
+    run.t0 = t0
+    os.makedirs(run.dir, exist_ok=True)
+    run.env = envs.make_env(args.env)
+    run.tok, run.model = M.load(args.model or None, args.d_model, args.n_layer)
+    run.model.to(run.device)
+    with run.timer('warmup'):
+        wpath, cached = warmup(args, run.tok, run.model, run.env, run.device)
+    print(f'warm-up: {"cached " if cached else ""}{wpath}')
+    torch.manual_seed(args.seed)
+    run.teacher = copy.deepcopy(run.model).eval().requires_grad_(False)        # frozen θ0
+    run.opt = torch.optim.AdamW(run.model.parameters(), lr=args.lr or run.method.lr, weight_decay=0.0)
+    run.lr_phi = args.lr_composer or args.lr or run.method.lr
+    if args.method == 'lopd':
+        d = run.model.get_input_embeddings().weight.shape[1]
+        run.composer = lopd.Composer(d, args.K).to(run.device)
+        run.composer0 = None
+        run.opt_phi = torch.optim.AdamW(run.composer.parameters(), lr=run.lr_phi, weight_decay=0.0)
+        run.bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), args.bank_capacity, args.allow_same_task)
+    if args.resume:
+        load_checkpoint(run, args.resume)
+        print(f'resumed at step {run.step}, {run.episodes} episodes')
+    else:
+        open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
+        atomic_json(dataclasses.asdict(args), os.path.join(run.dir, 'config.json'))
+        m = record_eval(run)
+        print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
+        if args.method == 'lopd':
+            cold_start(run)
+    stop = {'now': False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))          # finish the step, save, exit
+    bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes', dynamic_ncols=True)
+    try:
+        while run.episodes < args.episodes and not stop['now']:
+            before = run.episodes
+            train_step(run)
+            bar.update(run.episodes - before)
+            if run.step % args.eval_every == 0 or run.episodes >= args.episodes:
+                m = record_eval(run)
+                bar.set_postfix(success=f"{m['success']:.3f}", **({'beta': f'{run.beta:.2f}'} if args.method == 'lopd' else {}))
+                save_checkpoint(run)
+                plot(run)
+    except KeyboardInterrupt:
+        stop['now'] = True
+    bar.close()
+    save_checkpoint(run)
+    if stop['now']:
+        print(f'interrupted at step {run.step}; checkpoint saved; continue with --resume {run.dir}')
+        sys.exit(130)
+    if run.metrics[-1]['step'] != run.step:
+        record_eval(run)
+    plot(run)
+    base, final = run.metrics[0]['success'], run.metrics[-1]['success']
+    wall = run.wall + time.time() - t0
+    summary = {'method': args.method, 'env': args.env, 'seed': args.seed, 'episodes': run.episodes,
+               'base_success': base, 'final_success': final, 'best_success': max(m['success'] for m in run.metrics),
+               'teacher_success': run.metrics[-1].get('teacher_success'), 'wall_seconds': round(wall, 1),
+               'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped'])}
+    atomic_json(summary, os.path.join(run.dir, 'summary.json'))
+    split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
+    print(f"{args.name}: held-out success {base:.3f} -> {final:.3f} after {run.episodes} episodes "
+          f"in {wall:.0f}s ({split}); outputs in {run.dir}/")
+
+
+if __name__ == '__main__':
+    main()
