@@ -118,7 +118,7 @@ def call_tool(world, tool, arg):
 
 
 def random_plan(rng):
-    """A type-correct random tool plan of 1-4 calls (the noisy expert's guess)."""
+    """A type-correct random tool plan of 1-5 calls (the noisy expert's guess)."""
     plan, kind = [], 'person'
     for _ in range(rng.randint(1, 4)):
         tool = rng.choice(['lead'] if kind == 'team' else ['manager', 'city', 'team'])
@@ -150,13 +150,15 @@ class ToolUse:
         tasks = []
         for i in range(n):
             family = families[i % len(families)]
-            world = random_world(rng)
-            x = rng.choice(world['people'])
-            answer, steps = x, []
-            for tool in FAMILIES[family]:
-                result, _ = call_tool(world, tool, answer)
-                steps.append(f'{tool}({answer}) -> {result}')
-                answer = result
+            answer = x = None
+            while answer == x:  # redraw worlds where the answer is the person asked about:
+                world = random_world(rng)  # echoing the name must never be a solution
+                x = rng.choice(world['people'])
+                answer, steps = x, []
+                for tool in FAMILIES[family]:
+                    result, _ = call_tool(world, tool, answer)
+                    steps.append(f'{tool}({answer}) -> {result}')
+                    answer = result
             solution = '; '.join(steps + [f'answer {answer}'])
             tasks.append(Task(prompt=family.replace('X', x), family=family, task_id=f'{split}{seed}-{i}',
                               answer=answer, solution=solution, world=world))

@@ -108,10 +108,15 @@ class Composer(nn.Module):
     K = 4 segments the pooling already gives each latent its own slice of the experience.
     """
 
-    def __init__(self, d, K):
+    def __init__(self, d, K, scale=0.05):
         super().__init__()
         self.K = K
         self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        # start the latents at the scale of token embeddings (scale ~ their std): large
+        # random vectors in the teacher's prompt would swamp its attention at step 0
+        with torch.no_grad():
+            nn.init.normal_(self.mlp[-1].weight, std=scale / (2 * d) ** 0.5)
+            self.mlp[-1].bias.zero_()
 
     def forward(self, h, mask):
         """h (N, L, d), mask (N, L) -> z (N, K, d)."""
@@ -176,7 +181,7 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0)
     logits_s = logits_s.detach()
     kl = masked_mean(divergence(logits_s, logits_t, 'rkl'), mask)
     delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward)
-    anchor = ((z - z0.detach()) ** 2).mean()
+    anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
     loss = kl + beta * (margin - delta) + lam * anchor
     return loss, delta.detach(), anchor.detach()
 

@@ -20,7 +20,6 @@ import inspect
 
 import tiktoken
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 SPECIALS = ['<|bos|>', '<|obs|>', '<|agent|>', '<|eot|>', '<|ctx|>', '<|pad|>']
 
@@ -64,6 +63,7 @@ def byte_tokenizer():
 
 def tiny_llama(vocab_size, d_model=128, n_layer=4, n_head=4, max_len=512):
     """A ~0.9M-parameter Llama with random weights (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: `train.py -h` stays fast
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=3 * d_model,
                       num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
                       max_position_embeddings=max_len, tie_word_embeddings=True,
@@ -76,6 +76,7 @@ def load(model_name=None, d_model=128, n_layer=4):
     if model_name is None:
         tok = byte_tokenizer()
         return tok, tiny_llama(tok.vocab_size, d_model, n_layer)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = Tokenizer(hf=AutoTokenizer.from_pretrained(model_name))
     model = AutoModelForCausalLM.from_pretrained(model_name)
     if model.get_input_embeddings().weight.shape[0] < tok.vocab_size:

@@ -61,13 +61,14 @@ class Args:
     batch: int = arg(64, 'episodes per training step (GRPO: tasks × group)')
     lr: float = arg(0.0, 'student learning rate (0 = the method default)')
     eval_every: int = arg(8, 'steps between held-out evaluations')
+    eval_tasks: int = arg(250, 'held-out tasks per evaluation (the first N of the fixed set)')
     name: str = arg('', 'run name (default: <method>-<env>-s<seed>)')
     out_dir: str = arg('runs', 'where runs/<name>/ and the warm-up cache go')
     resume: str = arg('', 'resume from a run folder or its ckpt.pt')
     model: str = arg('', 'transformers causal LM name or path (default: the offline tiny Llama)')
     d_model: int = arg(128, 'tiny Llama width')
     n_layer: int = arg(4, 'tiny Llama depth')
-    warmup_steps: int = arg(300, 'supervised warm-up steps on noisy-expert demos')
+    warmup_steps: int = arg(250, 'supervised warm-up steps on noisy-expert demos')
     warmup_batch: int = arg(64, 'demos per warm-up step')
     warmup_lr: float = arg(3e-3, 'warm-up learning rate')
     divergence: str = arg('', 'distillation divergence: rkl, fkl, jsd (default: per method)')
@@ -115,7 +116,7 @@ def check_args(a):
         die(f"--method {a.method!r} is not one of {', '.join(METHODS)}")
     if a.env not in envs.ENVS:
         die(f"--env {a.env!r} is not one of {', '.join(envs.ENVS)}")
-    for k in ['episodes', 'batch', 'eval_every', 'd_model', 'n_layer', 'warmup_batch']:
+    for k in ['episodes', 'batch', 'eval_every', 'eval_tasks', 'd_model', 'n_layer', 'warmup_batch']:
         if getattr(a, k) <= 0:
             die(f'--{k} must be positive, got {getattr(a, k)}')
     for k in ['lr', 'warmup_lr', 'lr_composer', 'lam', 'eta_beta', 'margin', 'topk', 'K', 'init_episodes',
@@ -247,9 +248,17 @@ def text_prefix(model, tok, texts):
     return [M.embed(model, torch.tensor([tok.bos, tok.ctx] + tok.encode(t), device=model.device)) for t in texts]
 
 
+def solution_text(task):
+    return f'reference solution: {task.solution}\n'
+
+
+def experiences_text(texts):
+    return 'past: ' + '\n'.join(texts) + '\n'
+
+
 def opsd_context(run, eps):
     """OPSD: the frozen base is shown this task's reference solution."""
-    return text_prefix(run.teacher, run.tok, [f'reference solution: {e.task.solution}\n' for e in eps])
+    return text_prefix(run.teacher, run.tok, [solution_text(e.task) for e in eps])
 
 
 def lopd_context(run, eps, keep_graph=False):
@@ -342,7 +351,7 @@ def grpo_phase(run, eps, ids, amask, attn):
     logp = lopd.token_logp(logits, ids)
     loss = lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(reward, run.method.group), amask)
     optimizer_step(run, run.opt, loss, run.model)
-    return float(loss)
+    return loss.item()
 
 
 def write_back(run, eps):
@@ -397,9 +406,46 @@ def train_step(run):
 
 # ----------------------------------------------------------------------------- warm-up, cold start, eval
 
+def warmup_demo(env, task, by_family, rng):
+    """One warm-up demo -> (episode, privileged context text or None).
+
+    60% of demos are the noisy expert with no context. The rest teach the base to *read*
+    a privileged context, as an instruction-tuned LLM can (our tiny model starts from
+    nothing): the task's reference solution (10%) or one or two expert trajectories of
+    other tasks of the same family (20%), each followed by the clean expert; or
+    trajectories of another family (10%), followed by the noisy expert (an unhelpful
+    context is to be ignored). Without this, a text-context teacher (OPSD) would be a
+    strawman that cannot read its context."""
+    u = rng.random()
+    if u < 0.6:
+        return envs.play(env, task, env.demo(task, rng, noisy=True)), None
+    if u < 0.7:
+        return envs.play(env, task, env.demo(task, rng)), solution_text(task)
+    same = u < 0.9
+    fam = task.family if same else rng.choice([f for f in by_family if f != task.family])
+    others = [rng.choice(by_family[fam]) for _ in range(rng.randint(1, 2))]
+    texts = [env.trajectory_text(envs.play(env, t, env.demo(t, rng))) for t in others]
+    return envs.play(env, task, env.demo(task, rng, noisy=not same)), experiences_text(texts)
+
+
+def warmup_loss(model, tok, demos, contexts, device):
+    """NLL of the demos' agent tokens. Rows with and without a context go in two forwards,
+    so the short rows do not pay for the long contexts' padding."""
+    total, n = 0.0, 0
+    for rows in ([i for i, c in enumerate(contexts) if c is None], [i for i, c in enumerate(contexts) if c]):
+        if not rows:
+            continue
+        seqs, masks = zip(*[encode_episode(tok, demos[i]) for i in rows])
+        ids, amask, attn = pad_batch(seqs, masks, tok.pad, device)
+        prefixes = [text_prefix(model, tok, [contexts[i]])[0] if contexts[i] else bos_prefix(model, tok, 1)[0] for i in rows]
+        nll = -lopd.token_logp(logits_on(model, prefixes, ids, attn), ids)         # (b, T)
+        total, n = total + (nll * amask).sum(), n + amask.sum()
+    return total / n
+
+
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method."""
-    key = json.dumps([env.name, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
+    key = json.dumps(['ctx-v2', env.name, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
                       args.warmup_lr, M.SPECIALS, MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     if os.path.exists(path):
@@ -408,15 +454,15 @@ def warmup(args, tok, model, env, device):
     rng = random.Random(1234)  # the base is the same for every run seed: one base, many methods
     torch.manual_seed(1234)
     pool = env.make_tasks(20_000, seed=30_000, families=env.warmup_families, split='warm')
+    by_family = {}
+    for t in pool:
+        by_family.setdefault(t.family, []).append(t)
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
     for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
         for g in opt.param_groups:  # cosine decay to 10%
             g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
-        demos = [envs.play(env, t, env.demo(t, rng, noisy=True)) for t in rng.sample(pool, args.warmup_batch)]
-        seqs, masks = zip(*[encode_episode(tok, e) for e in demos])
-        ids, amask, attn = pad_batch(seqs, masks, tok.pad, device)
-        logits = logits_on(model, bos_prefix(model, tok, len(seqs)), ids, attn)
-        loss = lopd.masked_mean(-lopd.token_logp(logits, ids), amask)           # NLL of agent tokens only
+        demos, contexts = zip(*[warmup_demo(env, t, by_family, rng) for t in rng.sample(pool, args.warmup_batch)])
+        loss = warmup_loss(model, tok, demos, contexts, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -456,7 +502,7 @@ def evaluate(run):
     """Held-out success: greedy, the student alone, no privileged context. Plus the
     teacher's own success when it decodes with its context (does the context carry
     information?)."""
-    tasks = run.env.eval_tasks
+    tasks = run.env.eval_tasks[:run.args.eval_tasks]
     eps = []
     for i in range(0, len(tasks), 128):
         eps += rollout(run.model, run.tok, run.env, tasks[i:i + 128], greedy=True)[0]
@@ -570,7 +616,9 @@ def plot(run):
 def record_eval(run):
     with run.timer('eval'):
         m = evaluate(run)
-    mean = lambda k: float(np.mean(run.log[k])) if run.log[k] else None
+    def mean(k):  # None, not NaN, so that metrics.jsonl stays strict JSON
+        v = [x for x in run.log[k] if not math.isnan(x)]
+        return float(np.mean(v)) if v else None
     m.update(step=run.step, episodes=run.episodes, beta=run.beta, loss=mean('loss'), train_reward=mean('reward'),
              delta=mean('delta'), anchor=mean('anchor'), family_hit=mean('family_hit'),
              skipped=sum(run.log['skipped']), times={k: round(v, 2) for k, v in run.times.items()})
@@ -595,7 +643,9 @@ def main(argv=None):
             saved = torch.load(path, map_location='cpu', weights_only=False)['args']
         except Exception as e:
             die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}')
-        args = Args(**{**saved, 'episodes': max(saved['episodes'], args.episodes), 'resume': path})
+        run_dir = os.path.dirname(os.path.abspath(path))  # the folder resumed is the one written, even if moved
+        args = Args(**{**saved, 'episodes': max(saved['episodes'], args.episodes), 'resume': path,
+                       'out_dir': os.path.dirname(run_dir), 'name': os.path.basename(run_dir)})
     args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
     print(json.dumps(dataclasses.asdict(args)))
     random.seed(args.seed)
@@ -616,7 +666,8 @@ def main(argv=None):
     run.lr_phi = args.lr_composer or args.lr or run.method.lr
     if args.method == 'lopd':
         d = run.model.get_input_embeddings().weight.shape[1]
-        run.composer = lopd.Composer(d, args.K).to(run.device)
+        emb_std = run.model.get_input_embeddings().weight.std().item()
+        run.composer = lopd.Composer(d, args.K, scale=emb_std).to(run.device)
         run.composer0 = None
         run.opt_phi = torch.optim.AdamW(run.composer.parameters(), lr=run.lr_phi, weight_decay=0.0)
         run.bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), args.bank_capacity, args.allow_same_task)

@@ -1,0 +1,253 @@
+"""Subprocess tests of `python train.py`: bad arguments fail fast with one clear line, -h
+lists every flag, and tiny smoke runs of lopd, grpo and opsd write everything a run
+promises (DESIGN §6).
+
+Every process starts by importing torch + transformers (~4 s of CPU), so one module fixture
+starts them all as early as it can and keeps both cores busy: the bad-argument processes
+alongside the lopd smoke run (which builds and caches the warm-up), then grpo and opsd side
+by side on that cached base, then a resume of the finished grpo run. OMP_NUM_THREADS=1:
+these models are tiny, and on a shared 2-core machine extra BLAS threads only spin against
+each other."""
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+torch.set_num_threads(1)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8",
+        "--init_episodes", "16", "--cold_start_steps", "2", "--eval_every", "2", "--teacher_eval", "8",
+        "--d_model", "32", "--n_layer", "1"]
+
+
+def start(args, logs, key):
+    """Start `python train.py ARGS`, its stdout and stderr going to files (no pipe can fill up
+    while we wait on another process)."""
+    key = key.replace(" ", "-")
+    out, err = open(logs / f"{key}.out", "w"), open(logs / f"{key}.err", "w")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, text=True, stdout=out, stderr=err)
+    out.close(), err.close()
+    return p
+
+
+def finish(p, logs, key, timeout=180):
+    """-> (exit status, stdout, stderr)."""
+    p.wait(timeout=timeout)
+    key = key.replace(" ", "-")
+    return p.returncode, (logs / f"{key}.out").read_text(), (logs / f"{key}.err").read_text()
+
+
+BAD = {  # arguments -> words the one error line must contain
+    "method": (["--method", "nope"], ["--method", "nope"]),
+    "unknown flag": (["--steps", "-1"], ["--steps"]),
+    "episodes": (["--episodes", "-1"], ["--episodes", "-1"]),
+    "resume": (["--resume", "/no/such/path"], ["--resume", "/no/such/path"]),
+    "grpo batch": (["--batch", "6", "--method", "grpo"], ["--batch", "6", "4"]),
+    "divergence": (["--divergence", "foo"], ["--divergence", "foo"]),
+}
+
+
+EPISODES = {"lopd": 48, "grpo": 32, "opsd": 32}  # lopd: 16 bank-filling episodes + 2 steps of 16
+
+
+@pytest.fixture(scope="session")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def procs(out_dir, tmp_path_factory):
+    """Every subprocess of this file -> {key: (exit status, stdout, stderr)}. Also leaves a
+    snapshot <method>.done of each finished run folder, before the resume touches grpo's."""
+    logs = tmp_path_factory.mktemp("logs")
+
+    def smoke(m):
+        args = [*TINY, "--method", m, "--episodes", str(EPISODES[m]), "--out_dir", str(out_dir)]
+        return start(args, logs, m)
+
+    def done(m):
+        res[m] = finish(running.pop(m), logs, m)
+        if (out_dir / f"{m}-tooluse-s0").is_dir():
+            shutil.copytree(out_dir / f"{m}-tooluse-s0", out_dir / f"{m}.done")
+
+    res = {}
+    running = {"lopd": smoke("lopd")}  # first: it builds the warm-up cache the others load
+    running.update({k: start(args, logs, k) for k, (args, _) in BAD.items()})
+    assert len(running) == len(BAD) + 1 and not {"help", "grpo", "opsd", "grpo resumed"} & set(BAD)
+    running["help"] = start(["-h"], logs, "help")
+    done("lopd")
+    running.update(grpo=smoke("grpo"), opsd=smoke("opsd"))
+    done("grpo")
+    # the finished grpo run, resumed in place with a bigger budget: one more step of 16
+    running["grpo resumed"] = start(["--resume", str(out_dir / "grpo-tooluse-s0"), "--episodes", "48"], logs,
+                                    "grpo-resumed")
+    done("opsd")
+    for k in list(running):
+        res[k] = finish(running.pop(k), logs, k)
+    return res
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_argument_exits_2_with_one_line(procs, case):
+    rc, out, err = procs[case]
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for word in BAD[case][1]:
+        assert word in lines[0], lines[0]
+
+
+def test_help_lists_every_flag(procs):
+    rc, out, err = procs["help"]
+    assert rc == 0 and "Traceback" not in err
+    for f in dataclasses.fields(train.Args):
+        assert f"--{f.name}" in out, f.name
+    assert "lopd" in out and "grpo" in out and "opsd" in out
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch", "lots"], ["--batch", "lots"]),
+    (["--batch", "0"], ["--batch", "0"]),
+    (["--K", "-1"], ["--K", "-1"]),
+    (["--J", "0"], ["--J"]),
+    (["--device", "tpu"], ["--device", "tpu"]),
+    (["--topk", "-3"], ["--topk"]),
+])
+def test_more_bad_arguments_in_process(capsys, argv, words):
+    """The same checks, in-process (no 4 s interpreter start each)."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and all(w in lines[0] for w in words), err
+
+
+def test_resume_from_a_corrupt_checkpoint_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", str(tmp_path)])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "resume" in lines[0] and str(bad) in lines[0], lines
+
+
+# ----------------------------------------------------------------------------- smoke runs
+
+@pytest.fixture(scope="module")
+def smoke(out_dir, procs):
+    return out_dir, procs
+
+
+@pytest.mark.parametrize("method", ["lopd", "grpo", "opsd"])
+def test_smoke_run_writes_the_run_folder(smoke, method):
+    out_dir, res = smoke
+    rc, out, err = res[method]
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err
+    name = f"{method}-tooluse-s0"
+    run = out_dir / f"{method}.done"
+    for f in ["config.json", "metrics.jsonl", "summary.json", "curve.png", "ckpt.pt"]:
+        assert (run / f).is_file(), f
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["method"] == method and cfg["episodes"] == EPISODES[method] and cfg["d_model"] == 32 and cfg["name"] == name
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) >= 2
+    for m in metrics:
+        assert 0.0 <= m["success"] <= 1.0 and isinstance(m["episodes"], int)
+    assert [m["episodes"] for m in metrics] == sorted(m["episodes"] for m in metrics)
+    summary = json.loads((run / "summary.json").read_text())
+    for k in ["method", "env", "seed", "episodes", "base_success", "final_success", "wall_seconds"]:
+        assert k in summary, k
+    assert summary["method"] == method and summary["env"] == "tooluse" and summary["seed"] == 0
+    assert summary["episodes"] == metrics[-1]["episodes"] == EPISODES[method]
+    assert summary["base_success"] == metrics[0]["success"]
+    assert summary["final_success"] == metrics[-1]["success"]
+    assert summary["wall_seconds"] > 0
+    assert (run / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpt = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)
+    assert ckpt["episodes"] == summary["episodes"] and "model" in ckpt
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"{name}: held-out success") and f"after {summary['episodes']} episodes" in last
+    assert str(out_dir / name) in last
+    if method != "lopd":
+        assert "warm-up: cached" in out  # every method starts from the same cached base
+    if method in ("lopd", "opsd"):
+        assert "teacher_success" in metrics[-1]  # --teacher_eval 8
+    if method == "lopd":
+        assert "bank" in ckpt and "composer" in ckpt
+
+
+def test_resume_continues_the_run(smoke):
+    out_dir, res = smoke
+    rc, out, err = res["grpo resumed"]
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert "resumed at step 2, 32 episodes" in out
+    run = out_dir / "grpo-tooluse-s0"  # the saved config wins (name, method, ...) except the budget
+    before = [json.loads(x) for x in (out_dir / "grpo.done" / "metrics.jsonl").read_text().splitlines()]
+    after = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert after[:len(before)] == before and len(after) == len(before) + 1
+    assert after[-1]["episodes"] == 48 and after[-1]["step"] == 3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["method"] == "grpo" and summary["episodes"] == 48
+    assert summary["base_success"] == before[0]["success"]
+    assert torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)["episodes"] == 48
+
+
+def test_smoke_runs_share_one_base(smoke):
+    """The warm-up cache is the same file for every method, and every run's first eval
+    (the base model) is the same number."""
+    out_dir, res = smoke
+    assert len(list(out_dir.glob("warmup-*.pt"))) == 1
+    base = {m: json.loads((out_dir / f"{m}.done" / "summary.json").read_text())["base_success"]
+            for m in EPISODES}
+    assert len(set(base.values())) == 1
+
+
+def strict_json(line):
+    def refuse(c):
+        raise ValueError(f"{c} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_are_strict_json(smoke):
+    out_dir, _ = smoke
+    for m in [f"{m}.done" for m in EPISODES] + ["grpo-tooluse-s0"]:
+        for line in (out_dir / m / "metrics.jsonl").read_text().splitlines():
+            strict_json(line)
+        strict_json((out_dir / m / "summary.json").read_text())
+
+
+def test_lopd_smoke_run_skips_no_update(smoke):
+    out_dir, _ = smoke
+    summary = json.loads((out_dir / "lopd.done" / "summary.json").read_text())
+    assert summary["skipped_updates"] == 0
+
+
+def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
+    """In-process (no interpreter start): resume a copy of the finished grpo run elsewhere.
+    Runs last in this file: the bug it shows writes into the session's grpo folder."""
+    out_dir, _ = smoke
+    moved = tmp_path / "moved"
+    shutil.copytree(out_dir / "grpo-tooluse-s0", moved / "grpo-tooluse-s0")
+    shutil.copy(next(out_dir.glob("warmup-*.pt")), moved)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        train.main(["--resume", str(moved / "grpo-tooluse-s0"), "--episodes", "64"])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    summary = json.loads((moved / "grpo-tooluse-s0" / "summary.json").read_text())
+    assert summary["episodes"] == 64

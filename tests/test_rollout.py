@@ -1,0 +1,197 @@
+"""Plumbing with a tiny model: train.rollout / train.generate (KV cache, left padding,
+teacher prefixes) and the agent-token masks they return.
+
+A d=32 Llama is fitted for a few seconds on scripted-expert demos so that its rollouts
+are a realistic mix: well-formed calls closed by <|eot|>, malformed ones, and turns cut
+at max_action_tokens."""
+import copy
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import envs  # noqa: E402
+import lopd  # noqa: E402
+import model as M  # noqa: E402
+import train  # noqa: E402
+
+torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a shared 2-core box
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    tok, env = M.byte_tokenizer(), envs.make_env("tooluse")
+    m = M.tiny_llama(tok.vocab_size, d_model=32, n_layer=2)
+    rng = random.Random(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(100):  # ~4 s: enough to emit <|eot|> and mostly well-formed calls
+        demos = [envs.play(env, t, env.demo(t, rng)) for t in rng.sample(env.train_tasks, 32)]
+        seqs, masks = zip(*[train.encode_episode(tok, e) for e in demos])
+        ids, amask, attn = train.pad_batch(seqs, masks, tok.pad, "cpu")
+        logits = train.logits_on(m, train.bos_prefix(m, tok, len(seqs)), ids, attn)
+        loss = lopd.masked_mean(-lopd.token_logp(logits, ids), amask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    m.eval().requires_grad_(False)
+    return tok, env, m
+
+
+def runs(ids, mask):
+    """Split a body into maximal runs of equal mask value -> [(mask value, ids)]."""
+    out = []
+    for i, m in zip(ids, mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(i)
+        else:
+            out.append((m, [i]))
+    return out
+
+
+def check_episode(tok, env, ep, body, mask):
+    """The body is prompt, then per turn: the generated tokens (mask 1) and, unless the
+    episode ended, the observation (mask 0). Nothing else is masked in or out."""
+    assert len(body) == len(mask) and ep.done and 1 <= len(ep.turns) <= env.max_turns
+    parts = runs(body, mask)
+    assert parts[0] == (0, train.obs_ids(tok, ep.task.prompt))
+    agent = [p for m, p in parts if m == 1]
+    obs = [p for m, p in parts[1:] if m == 0]
+    assert len(agent) == len(ep.turns)  # one generated run per turn
+    for k, (gen, (action, o)) in enumerate(zip(agent, ep.turns)):
+        assert 1 <= len(gen) <= env.max_action_tokens
+        assert tok.eot not in gen[:-1]  # generation stops at the first <|eot|>
+        text = tok.decode([t for t in gen if t != tok.eot])
+        assert text.strip()[:2 * envs.MAX_ACTION_CHARS] == action  # what the env saw
+        if k < len(ep.turns) - 1:
+            assert obs[k] == train.obs_ids(tok, o) and o  # the env's observation, unmasked
+    assert len(obs) == len(ep.turns) - 1  # no observation after the last turn
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rollout_masks_are_exactly_the_generated_tokens(setup, monkeypatch, greedy):
+    tok, env, m = setup
+    real = train.generate
+
+    def spy(*a, **kw):  # record what generate returned, call by call
+        spy.calls.append(real(*a, **kw))
+        return spy.calls[-1]
+    spy.calls = []
+    monkeypatch.setattr(train, "generate", spy)
+    torch.manual_seed(0)
+    tasks = env.eval_tasks[:30]
+    eps, bodies, masks = train.rollout(m, tok, env, tasks, greedy=greedy)
+    assert len(eps) == len(bodies) == len(masks) == len(tasks) and len(spy.calls) <= env.max_turns
+    # every token generated, and only those, carries mask 1: replay the calls row by row;
+    # call k decodes turn k of every episode that was still live
+    gen = [[] for _ in tasks]
+    for call, outs in enumerate(spy.calls):
+        live = [i for i, e in enumerate(eps) if len(e.turns) > call]
+        assert len(outs) == len(live)
+        for i, o in zip(live, outs):
+            gen[i] += o
+    for i, (ep, body, mask) in enumerate(zip(eps, bodies, masks)):
+        assert [t for t, a in zip(body, mask) if a] == gen[i]
+        check_episode(tok, env, ep, body, mask)
+    # for episodes whose every turn ended with <|eot|> (and whose text round-trips), the
+    # rollout's tokens are exactly the episode's canonical encoding (what warm-up trains on)
+    same = 0
+    for ep, body, mask in zip(eps, bodies, masks):
+        agent = [p for a, p in runs(body, mask) if a == 1]
+        if all(p[-1] == tok.eot and tok.encode(tok.decode(p[:-1])) == p[:-1] and tok.decode(p[:-1]).strip()
+               == tok.decode(p[:-1]) for p in agent):
+            assert train.encode_episode(tok, ep) == (body, mask)
+            same += 1
+    assert same >= 5  # the fitted model does close its turns
+
+
+def test_rollout_padding_invariance(setup):
+    """A task's greedy actions do not depend on the other rows of its batch (left padding,
+    position ids from the mask, a KV cache that grows per row)."""
+    tok, env, m = setup
+    m = copy.deepcopy(m).double()  # no argmax near-ties from float32 round-off
+    by_len = sorted(env.eval_tasks[:60], key=lambda t: len(t.prompt))
+    target = by_len[30]
+    alone = train.rollout(m, tok, env, [target], greedy=True)
+    batch = [by_len[0], by_len[-1], target, by_len[1], by_len[-2]]  # shorter and longer rows
+    mixed = train.rollout(m, tok, env, batch, greedy=True)
+    assert mixed[0][2].turns == alone[0][0].turns
+    assert mixed[1][2] == alone[1][0] and mixed[2][2] == alone[2][0]
+    # and the whole batch agrees with each task played alone
+    for i, t in enumerate(batch):
+        assert train.rollout(m, tok, env, [t], greedy=True)[0][0].turns == mixed[0][i].turns
+
+
+def naive_greedy(model, prefix, body, max_new, eot):
+    """Reference decoder: re-run the whole unpadded sequence for every token, no cache."""
+    seq = torch.cat([prefix, M.embed(model, torch.tensor(body, dtype=torch.long))])
+    out = []
+    for _ in range(max_new):
+        nxt = int(model(inputs_embeds=seq.unsqueeze(0)).logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eot:
+            break
+        seq = torch.cat([seq, M.embed(model, torch.tensor([nxt]))])
+    return out
+
+
+@torch.no_grad()
+def test_generate_with_teacher_prefixes_matches_naive_decoding(setup):
+    tok, env, m = setup
+    m = copy.deepcopy(m).double()
+    tasks = env.eval_tasks[:4]
+    texts = [f"reference solution: {t.solution}\n" for t in tasks[:3]] + [""]
+    prefixes = train.text_prefix(m, tok, texts)                       # <|bos|><|ctx|> text, lengths differ
+    bodies = [train.obs_ids(tok, t.prompt) for t in tasks]
+    bodies[1] = bodies[1] + tok.encode("city(bo)") + [tok.eot] + train.obs_ids(tok, "rome")  # a later turn
+    assert len({p.shape[0] + len(b) for p, b in zip(prefixes, bodies)}) == 4
+    outs = train.generate(m, tok, prefixes, bodies, env.max_action_tokens, greedy=True)
+    for p, b, o in zip(prefixes, bodies, outs):
+        assert o == naive_greedy(m, p, b, env.max_action_tokens, tok.eot)
+    # the context matters: without it the same bodies decode differently somewhere
+    plain = train.generate(m, tok, train.bos_prefix(m, tok, 4), bodies, env.max_action_tokens, greedy=True)
+    for b, o in zip(bodies, plain):
+        assert o == naive_greedy(m, M.embed(m, torch.tensor([tok.bos])), b, env.max_action_tokens, tok.eot)
+    assert plain != outs
+
+
+def test_teacher_rollout_with_latent_prefixes(setup):
+    """The teacher decodes whole episodes with a context that holds latent vectors (as
+    train.evaluate does for LOPD); the same rows with the same prefixes reproduce."""
+    tok, env, m = setup
+    torch.manual_seed(0)
+    bos_ctx = M.embed(m, torch.tensor([tok.bos, tok.ctx]))
+    prefixes = [torch.cat([bos_ctx, torch.randn(k, 32) * 0.1]) for k in (0, 3, 8, 12)]
+    tasks = env.eval_tasks[10:14]
+    eps, bodies, masks = train.rollout(m, tok, env, tasks, greedy=True, prefixes=prefixes)
+    for ep, b, mk in zip(eps, bodies, masks):
+        check_episode(tok, env, ep, b, mk)
+    again = train.rollout(m, tok, env, tasks[::-1], greedy=True, prefixes=prefixes[::-1])[0][::-1]
+    assert [e.turns for e in again] == [e.turns for e in eps]
+
+
+def test_sampled_rollout_follows_the_seed(setup):
+    tok, env, m = setup
+    tasks = env.eval_tasks[:8]
+    torch.manual_seed(5)
+    a = train.rollout(m, tok, env, tasks)[1]
+    torch.manual_seed(5)
+    b = train.rollout(m, tok, env, tasks)[1]
+    assert a == b
+
+
+def test_untrained_model_turns_are_cut_at_max_action_tokens(setup):
+    """A random model rarely says <|eot|>: its turns stop at max_action_tokens, the env
+    still ends every episode within max_turns, and the masks still hold."""
+    tok, env, _ = setup
+    torch.manual_seed(0)
+    m = M.tiny_llama(tok.vocab_size, d_model=32, n_layer=1).eval()
+    tasks = env.eval_tasks[:6]
+    eps, bodies, masks = train.rollout(m, tok, env, tasks, greedy=True)
+    for ep, b, mk in zip(eps, bodies, masks):
+        check_episode(tok, env, ep, b, mk)
+        assert len(ep.turns) == env.max_turns and ep.reward == 0.0
+    assert sum(sum(mk) for mk in masks) == sum(len(ep.turns) for ep in eps) * env.max_action_tokens
