@@ -18,9 +18,9 @@ Tool use (multi-turn). Each task draws a small random world: 6 people, each with
 city, a team and a manager; each team has a lead. The agent calls one tool per turn,
 `manager(x)`, `city(x)`, `team(x)` or `lead(t)`, reads the result, and finally writes
 `answer y`. A task family is a fixed tool plan. Transparent families say their plan
-("city of manager of bo"); opaque ones do not ("q2 bo" = city of lead of team of bo),
-so their plan can only be learned from experience, and one opaque family ("q5") never
-appears in the warm-up data. Answers are copied from observations, never computed, so
+("city of manager of bo"); opaque ones do not ("quandle bo" = city of lead of team of bo),
+so their plan can only be learned from experience, and one opaque family ("snarfle")
+never appears in the warm-up data. Answers are copied from observations, never computed, so
 they can only be known by calling the tools.
 
 Code generation (multi-turn, up to two attempts). The task shows input/output examples
@@ -80,15 +80,17 @@ FAMILIES = {
     'city of manager of X': ['manager', 'city'],
     'lead of team of X': ['team', 'lead'],
     'manager of manager of X': ['manager', 'manager'],
-    # opaque: the name says nothing about the plan
-    'q1 X': ['team', 'lead', 'manager'],
-    'q2 X': ['team', 'lead', 'city'],
-    'q3 X': ['manager', 'team', 'lead'],
-    'q4 X': ['manager', 'manager', 'city'],
-    'q5 X': ['manager', 'team', 'lead', 'city'],  # absent from the warm-up data
+    # opaque: the name says nothing about the plan (made-up words, long enough that a
+    # character n-gram retriever can tell them apart from the person's name)
+    'zorbify X': ['team', 'lead', 'manager'],
+    'quandle X': ['team', 'lead', 'city'],
+    'mirthen X': ['manager', 'team', 'lead'],
+    'plovish X': ['manager', 'manager', 'city'],
+    'snarfle X': ['manager', 'team', 'lead', 'city'],
 }
-OPAQUE = [f for f in FAMILIES if f.startswith('q')]
-WARMUP_FAMILIES = [f for f in FAMILIES if f != 'q5 X']
+OPAQUE = [f for f in FAMILIES if ' of ' not in f]
+UNSEEN = 'snarfle X'  # absent from the warm-up data
+WARMUP_FAMILIES = [f for f in FAMILIES if f != UNSEEN]
 
 CALL = re.compile(r'^([a-z]+)\(([a-z]+)\)$')
 MAX_ACTION_CHARS = 64

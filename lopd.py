@@ -11,6 +11,8 @@
     dual_update       β ← max(0, β + η_β (m − Δ))
     group_advantage   GRPO's (r − mean)/std over a group of G rollouts of one task
     ppo_clip_loss     PPO-clip policy gradient, token mean
+    is_k3_loss        Skill-SD's importance-weighted sampled-token reverse KL (k3 estimator)
+    ema_update        θ_T ← (1 − rate) θ_T + rate θ (SDPO's teacher)
 
 Shapes: B rollouts, T tokens, V vocabulary, d model width, K latents per experience,
 J experiences per task. `mask` is the agent-token mask A: 1 on tokens the agent
@@ -22,9 +24,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def _f32(x):
+    """At least float32 (bf16 logits would round the log-probs), float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def token_logp(logits, y):
     """log π(y_t) for the sampled tokens. logits (B, T, V), y (B, T) -> (B, T)."""
-    return torch.gather(F.log_softmax(logits.float(), -1), -1, y.unsqueeze(-1)).squeeze(-1)
+    return torch.gather(F.log_softmax(_f32(logits), -1), -1, y.unsqueeze(-1)).squeeze(-1)
 
 
 def masked_mean(x, mask):
@@ -62,7 +69,7 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
 
 def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
     """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T)."""
-    return divergence_from_logp(F.log_softmax(logits_s.float(), -1), F.log_softmax(logits_t.float(), -1), kind, beta)
+    return divergence_from_logp(F.log_softmax(_f32(logits_s), -1), F.log_softmax(_f32(logits_t), -1), kind, beta)
 
 
 def _with_tail(topk_logp):
@@ -79,7 +86,7 @@ def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
 
     Both distributions are read at the *teacher's* top-k ids, so the buckets match.
     With k = V it equals the full-vocabulary divergence. logits (B, T, V) -> (B, T)."""
-    logp_s, logp_t = F.log_softmax(logits_s.float(), -1), F.log_softmax(logits_t.float(), -1)
+    logp_s, logp_t = F.log_softmax(_f32(logits_s), -1), F.log_softmax(_f32(logits_t), -1)
     idx = logp_t.topk(min(k, logp_t.shape[-1]), -1).indices       # (B, T, k)
     s = _with_tail(torch.gather(logp_s, -1, idx))                  # (B, T, k+1)
     t = _with_tail(torch.gather(logp_t, -1, idx))                  # (B, T, k+1)
@@ -212,3 +219,24 @@ def ppo_clip_loss(logp, logp_old, adv, mask, eps_lo=0.2, eps_hi=0.2):
     A = adv.unsqueeze(-1)                                                       # (B, 1)
     obj = torch.minimum(ratio * A, ratio.clamp(1 - eps_lo, 1 + eps_hi) * A)     # (B, T)
     return -masked_mean(obj, mask)
+
+
+# ----------------------------------------------------------------------------- Skill-SD, SDPO
+
+def is_k3_loss(logp, logp_old, logp_t, mask):
+    """mean_{t∈A} ρ_t·(e^{−ℓ_t} − 1 + ℓ_t),  ℓ_t = log π_θ(y_t) − sg log π_T(y_t),
+    ρ_t = π_θ(y_t)/sg π_old(y_t): Skill-SD's sampled-token reverse KL.
+
+    At θ = θ_old (ρ = 1) its gradient is ℓ_t ∇log π_θ(y_t), the score-function gradient of
+    KL(π_θ ‖ π_T) estimated on the sampled tokens; e^{−ℓ} − 1 + ℓ ≥ 0 is the k3 estimator.
+    logp, logp_old, logp_t, mask (B, T) -> scalar."""
+    ell = logp - logp_t.detach()                                                # (B, T)
+    rho = torch.exp(logp - logp_old.detach())                                   # (B, T)
+    return masked_mean(rho * (torch.exp(-ell) - 1 + ell), mask)
+
+
+@torch.no_grad()
+def ema_update(teacher, student, rate):
+    """θ_T ← (1 − rate) θ_T + rate θ, parameter by parameter (SDPO: rate 0.05)."""
+    for pt, ps in zip(teacher.parameters(), student.parameters()):
+        pt.lerp_(ps, rate)

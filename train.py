@@ -54,7 +54,7 @@ def arg(default, help):
 
 @dataclass
 class Args:
-    method: str = arg('lopd', 'method: ' + ', '.join(['lopd', 'grpo', 'opsd']))
+    method: str = arg('lopd', 'method: lopd, grpo, opsd, sdpo, sdft, skillsd, trajtext')
     env: str = arg('tooluse', 'environment: ' + ', '.join(envs.ENVS))
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)')
     episodes: int = arg(3072, 'rollout budget: episodes sampled in total (LOPD: bank filling included)')
@@ -81,6 +81,9 @@ class Args:
     lr_composer: float = arg(0.0, 'LOPD: composer learning rate (0 = the student lr)')
     init_episodes: int = arg(512, 'LOPD: base rollouts that fill the bank before cold start')
     cold_start_steps: int = arg(300, 'LOPD: composer pre-training steps (teacher NLL)')
+    teacher: str = arg('', "the teacher's weights: frozen, ema or live (default: per method)")
+    ema_rate: float = arg(0.05, 'rate of the EMA teacher: θ_T ← (1 − rate) θ_T + rate θ')
+    k3_coef: float = arg(0.001, 'Skill-SD: weight λ of the importance-weighted k3 term')
     frozen_composer: bool = arg(False, 'LOPD ablation: keep φ at its cold start (no composer phase)')
     allow_same_task: bool = arg(False, 'LOPD: let retrieval return this very task instance')
     bank_capacity: int = arg(4000, 'LOPD: experience bank size (FIFO)')
@@ -119,12 +122,18 @@ def check_args(a):
     for k in ['episodes', 'batch', 'eval_every', 'eval_tasks', 'd_model', 'n_layer', 'warmup_batch']:
         if getattr(a, k) <= 0:
             die(f'--{k} must be positive, got {getattr(a, k)}')
-    for k in ['lr', 'warmup_lr', 'lr_composer', 'lam', 'eta_beta', 'margin', 'topk', 'K', 'init_episodes',
+    for k in ['lr', 'warmup_lr', 'lr_composer', 'k3_coef', 'lam', 'eta_beta', 'margin', 'topk', 'K', 'init_episodes',
               'cold_start_steps', 'warmup_steps', 'teacher_eval']:
         if getattr(a, k) < 0:
             die(f'--{k} must be >= 0, got {getattr(a, k)}')
     if a.J <= 0 or a.bank_capacity <= 0:
         die('--J and --bank_capacity must be positive')
+    if a.teacher and a.teacher not in ('frozen', 'ema', 'live'):
+        die(f'--teacher {a.teacher!r} is not one of frozen, ema, live')
+    if a.method == 'lopd' and a.teacher and a.teacher != 'frozen':
+        die('--teacher: LOPD\'s composer is trained against the frozen base; only --teacher frozen applies')
+    if not 0 < a.ema_rate <= 1:
+        die(f'--ema_rate must be in (0, 1], got {a.ema_rate}')
     if a.divergence and a.divergence not in ('rkl', 'fkl', 'jsd'):
         die(f'--divergence {a.divergence!r} is not one of rkl, fkl, jsd')
     if a.batch % METHODS[a.method].group:
@@ -261,14 +270,69 @@ def opsd_context(run, eps):
     return text_prefix(run.teacher, run.tok, [solution_text(e.task) for e in eps])
 
 
+def sdpo_context(run, eps):
+    """SDPO: a successful sibling rollout of the same task (never the rollout itself), else
+    the environment's feedback on this attempt; a rollout with neither gets no teacher."""
+    G, texts = run.method.group, []
+    for i, e in enumerate(eps):
+        g = i - i % G                                                           # first rollout of i's group
+        sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.reward > 0), None)
+        texts.append(experiences_text([run.env.trajectory_text(sib)]) if sib else
+                     f'feedback: {e.feedback}\n' if e.feedback else None)
+    return [text_prefix(run.teacher, run.tok, [t])[0] if t else None for t in texts]
+
+
+def sdft_context(run, eps):
+    """SDFT: the model shown a demonstration of this very task (the scripted expert's)."""
+    demos = [envs.play(run.env, e.task, run.env.demo(e.task, random.Random(0))) for e in eps]
+    return text_prefix(run.teacher, run.tok, [experiences_text([run.env.trajectory_text(d)]) for d in demos])
+
+
+def trajtext_context(run, eps):
+    """Traj-text (ablation): LOPD's retrieved experiences, shown to the frozen base as text."""
+    found = retrieve(run, [e.task for e in eps])
+    return text_prefix(run.teacher, run.tok, [experiences_text([m.text for m in f]) for f in found])
+
+
+def skill_text(records):
+    """Skill-SD's summariser, as a deterministic template over a family's stored trajectories
+    [(text, reward, feedback)]: a success pattern, the commonest mistake, the workflow.
+    e.g. 'skill: success pattern: city(bo) -> oslo; answer oslo; mistakes: none seen;
+    workflow: 2 turns, the last one answers'."""
+    wins = [r for r in records if r[1] > 0]
+    fails = [r[2] for r in records if r[1] == 0 and r[2]]
+    pattern = wins[-1][0] if wins else 'none yet'
+    mistake = max(set(fails), key=fails.count) if fails else 'none seen'
+    turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
+    return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
+
+
+def skillsd_context(run, eps):
+    """Skill-SD: a skill text for the task's family. The arms are skills built on each of the
+    family's 3 latest successes; UCB1 (per family, reward = rollout success) picks one."""
+    texts = []
+    for e in eps:
+        recs = run.skills.setdefault(e.task.family, [])
+        wins = [i for i, r in enumerate(recs) if r[1] > 0][-3:] or [len(recs)]
+        stats = run.ucb.setdefault(e.task.family, {})                            # arm -> [pulls, total reward]
+        n = sum(v[0] for v in stats.values()) + 1
+        ucb = lambda a: float('inf') if a not in stats else stats[a][1] / stats[a][0] + math.sqrt(2 * math.log(n) / stats[a][0])
+        arm = max(range(len(wins)), key=ucb)
+        stats.setdefault(arm, [0, 0.0])
+        stats[arm][0] += 1
+        stats[arm][1] += e.reward
+        upto = wins[arm] + 1 if wins[arm] < len(recs) else len(recs)
+        texts.append(skill_text(recs[:upto][-50:]))
+    return text_prefix(run.teacher, run.tok, texts)
+
+
 def lopd_context(run, eps, keep_graph=False):
     """LOPD, steps 2-3: retrieve J experiences per task and compose them into latents.
 
     -> prefixes <|bos|><|ctx|> past: z_1 … z_{J·K} \\n, plus the latents z and their
     cold-start counterparts z0 (for the anchor), each (ΣN·K, d)."""
     tasks = [e.task for e in eps]
-    found = run.bank.retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
-    run.log['family_hit'].append(run.bank.family_hit_rate([t.family for t in tasks], found))
+    found = retrieve(run, tasks)
     with torch.set_grad_enabled(keep_graph):
         z, z0 = compose(run, tasks, found)
     head = M.embed(run.teacher, torch.tensor([run.tok.bos, run.tok.ctx] + run.tok.encode('past:'), device=run.device))
@@ -281,50 +345,71 @@ def lopd_context(run, eps, keep_graph=False):
     return prefixes, z, z0
 
 
+def retrieve(run, tasks):
+    """Step 2: top-J successful experiences of similar tasks (never this task, by default)."""
+    found = run.bank.retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
+    run.log['family_hit'].append(run.bank.family_hit_rate([t.family for t in tasks], found))
+    return found
+
+
 def compose(run, tasks, found):
     """Step 3: the frozen base reads 'task to solve: x / reference past trajectory: m_j';
     the composer maps its hidden states to K latents per experience. -> z, z0 (N·K, d)."""
-    texts = [f'task to solve: {t.prompt}\nreference past trajectory: {m.text}' for t, f in zip(tasks, found) for m in f]
-    d = run.teacher.get_input_embeddings().weight.shape[1]
-    if not texts:
+    d = run.base.get_input_embeddings().weight.shape[1]
+    heads = [run.tok.encode(f'task to solve: {t.prompt}\nreference past trajectory: ') for t, f in zip(tasks, found) for _ in f]
+    bodies = [run.tok.encode(m.text)[:200] for f in found for m in f]
+    if not heads:
         empty = torch.zeros(0, d, device=run.device)
         return empty, empty
-    seqs = [run.tok.encode(s)[:256] for s in texts]
-    ids, _, attn = pad_batch(seqs, [[0] * len(s) for s in seqs], run.tok.pad, run.device)
+    # we pool over the experience's own tokens only (read in the light of the task): pooled
+    # over the framing too, the first segments would describe the framing, not the plan
+    ids, pool, attn = pad_batch([h + b for h, b in zip(heads, bodies)],
+                                [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
     with torch.no_grad():
-        h = M.hidden(run.teacher, ids, attn)                                    # (N, L, d) frozen reading
-        z0 = run.composer0(h, attn) if run.composer0 is not None else None
-    z = run.composer(h, attn)                                                   # (N, K, d)
+        h = M.hidden(run.base, ids, attn)                                       # (N, L, d) frozen reading
+        z0 = run.composer0(h, pool) if run.composer0 is not None else None
+    z = run.composer(h, pool)                                                   # (N, K, d)
     z0 = z.detach() if z0 is None else z0
     return z.reshape(-1, d), z0.reshape(-1, d)
 
 
 @dataclass
 class Method:
-    loss: str                 # 'distill' or 'grpo'
-    context: object = None    # (run, episodes) -> teacher prefixes; None = no teacher
-    divergence: str = 'rkl'
+    loss: str                 # 'distill', 'grpo', or 'grpo+k3' (Skill-SD)
+    context: object = None    # (run, episodes) -> a teacher prefix per rollout (None: no teacher for it)
+    divergence: str = 'rkl'   # for 'distill'
     group: int = 1            # rollouts per task
     lr: float = 1e-3
+    teacher: str = 'frozen'   # the teacher's weights: 'frozen' θ0, an 'ema' of θ, or the 'live' θ
+    bank: bool = False        # keeps an experience bank (filled before training, written back)
 
 
 METHODS = {
-    'lopd': Method('distill', lopd_context, 'rkl', 1, 1e-3),
-    'opsd': Method('distill', opsd_context, 'jsd', 1, 1e-3),
-    'grpo': Method('grpo', None, 'rkl', 4, 1e-4),
+    'lopd':     Method('distill', lopd_context, 'rkl', 1, 1e-3, 'frozen', bank=True),
+    'grpo':     Method('grpo', None, 'rkl', 4, 1e-4),
+    'opsd':     Method('distill', opsd_context, 'jsd', 1, 1e-3, 'frozen'),
+    'sdpo':     Method('distill', sdpo_context, 'rkl', 4, 1e-3, 'ema'),
+    'sdft':     Method('distill', sdft_context, 'rkl', 1, 1e-3, 'live'),
+    'skillsd':  Method('grpo+k3', skillsd_context, 'rkl', 4, 1e-4, 'live'),
+    'trajtext': Method('distill', trajtext_context, 'rkl', 1, 1e-3, 'frozen', bank=True),
 }
 
 
 # ----------------------------------------------------------------------------- the phases
 
 def teacher_phase(run, eps, ids, attn):
-    """Step 4: the teacher scores every agent token. θ0 is frozen; for LOPD the graph
-    through the latents is kept so that the composer phase can reuse this forward."""
+    """Step 4: the teacher scores every agent token, with its context.
+    -> logits (B, T, V), keep (B,) (False: the method gave this rollout no teacher), z, z0.
+    For LOPD the graph through the latents is kept (θ0 itself is frozen), so that the
+    composer phase can reuse this forward."""
     if run.args.method == 'lopd':
         prefixes, z, z0 = lopd_context(run, eps, keep_graph=not run.args.frozen_composer)
-        return logits_on(run.teacher, prefixes, ids, attn), z, z0
+        return logits_on(run.teacher, prefixes, ids, attn), torch.ones(len(eps), dtype=torch.bool), z, z0
     with torch.no_grad():
-        return logits_on(run.teacher, run.method.context(run, eps), ids, attn), None, None
+        prefixes = run.method.context(run, eps)
+        keep = torch.tensor([p is not None for p in prefixes])
+        prefixes = [p if p is not None else bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
+        return logits_on(run.teacher, prefixes, ids, attn), keep, None, None
 
 
 def student_phase(run, ids, amask, attn, logits_t):
@@ -332,6 +417,8 @@ def student_phase(run, ids, amask, attn, logits_t):
     logits_s = logits_on(run.model, bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
     loss = lopd.distill_loss(logits_s, logits_t, amask, run.divergence, run.args.topk)
     optimizer_step(run, run.opt, loss, run.model)
+    if run.teacher_kind == 'ema':
+        lopd.ema_update(run.teacher, run.model, run.args.ema_rate)
     return logits_s.detach(), loss.item()
 
 
@@ -351,6 +438,23 @@ def grpo_phase(run, eps, ids, amask, attn):
     logp = lopd.token_logp(logits, ids)
     loss = lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(reward, run.method.group), amask)
     optimizer_step(run, run.opt, loss, run.model)
+    return loss.item()
+
+
+def skillsd_phase(run, eps, ids, amask, attn):
+    """Skill-SD: GRPO (PPO-clip, ε 0.2 / 0.28) + λ × importance-weighted sampled-token k3
+    reverse KL toward the skill-prompted live teacher."""
+    reward = torch.tensor([e.reward for e in eps], device=run.device)
+    with torch.no_grad():
+        logits_t, _, _, _ = teacher_phase(run, eps, ids, attn)
+    logp = lopd.token_logp(logits_on(run.model, bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn), ids)
+    adv = lopd.group_advantage(reward, run.method.group)
+    loss = (lopd.ppo_clip_loss(logp, logp.detach(), adv, amask, 0.2, 0.28)
+            + run.args.k3_coef * lopd.is_k3_loss(logp, logp.detach(), lopd.token_logp(logits_t, ids), amask))
+    optimizer_step(run, run.opt, loss, run.model)
+    for e in eps:  # Skill-SD's store: every finished trajectory of the family, kept short
+        run.skills.setdefault(e.task.family, []).append((run.env.trajectory_text(e), e.reward, e.feedback))
+        del run.skills[e.task.family][:-50]
     return loss.item()
 
 
@@ -387,11 +491,14 @@ def train_step(run):
     if run.method.loss == 'grpo':
         with run.timer('student'):
             run.log['loss'].append(grpo_phase(run, eps, ids, amask, attn))
+    elif run.method.loss == 'grpo+k3':
+        with run.timer('student'):
+            run.log['loss'].append(skillsd_phase(run, eps, ids, amask, attn))
     else:
         with run.timer('teacher'):
-            logits_t, z, z0 = teacher_phase(run, eps, ids, attn)
+            logits_t, keep, z, z0 = teacher_phase(run, eps, ids, attn)
         with run.timer('student'):
-            logits_s, loss = student_phase(run, ids, amask, attn, logits_t.detach())
+            logits_s, loss = student_phase(run, ids, amask * keep[:, None].to(amask), attn, logits_t.detach())
             run.log['loss'].append(loss)
         if a.method == 'lopd' and not a.frozen_composer:
             with run.timer('composer'):
@@ -399,7 +506,7 @@ def train_step(run):
                 delta, anchor = composer_phase(run, logits_s, logits_t, ids, amask, reward, z, z0)
                 run.log['delta'].append(delta)
                 run.log['anchor'].append(anchor)
-    if a.method == 'lopd':
+    if run.method.bank:
         write_back(run, eps)
     run.step += 1
 
@@ -445,7 +552,7 @@ def warmup_loss(model, tok, demos, contexts, device):
 
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method."""
-    key = json.dumps(['ctx-v2', env.name, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
+    key = json.dumps(['ctx-v2', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
                       args.warmup_lr, M.SPECIALS, MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     if os.path.exists(path):
@@ -474,8 +581,9 @@ def warmup(args, tok, model, env, device):
 
 
 def cold_start(run):
-    """LOPD cold start: fill the bank with base rollouts, then pre-train φ by maximising the
-    frozen teacher's likelihood of successful trajectories given retrieved latents."""
+    """Fill the bank with base rollouts (they count toward the budget); for LOPD, then
+    pre-train φ by maximising the frozen teacher's likelihood of successful trajectories
+    given the latents of their retrieved experiences."""
     a = run.args
     wins = []
     for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
@@ -484,6 +592,8 @@ def cold_start(run):
         run.episodes += len(eps)
         write_back(run, eps)
         wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
+    if a.method != 'lopd':
+        return
     opt = torch.optim.AdamW(run.composer.parameters(), lr=run.lr_phi)
     for _ in (bar := tqdm(range(a.cold_start_steps if wins else 0), desc='cold start', dynamic_ncols=True)):
         with run.timer('cold_start'):
@@ -516,6 +626,7 @@ def evaluate(run):
         probe = [run.env.reset(t) for t in tasks]
         prefixes = run.method.context(run, probe)
         prefixes = prefixes[0] if isinstance(prefixes, tuple) else prefixes
+        prefixes = [p if p is not None else bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
         teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=prefixes)[0]
         out['teacher_success'] = float(np.mean([e.reward for e in teps]))
     return out
@@ -529,6 +640,7 @@ class Run:
     def __init__(self, args):
         self.args, self.method = args, METHODS[args.method]
         self.divergence = args.divergence or self.method.divergence
+        self.teacher_kind = args.teacher or self.method.teacher
         self.device = pick_device(args.device)
         self.step, self.episodes, self.beta, self.metrics, self.wall = 0, 0, 0.0, [], 0.0
         self.times = {k: 0.0 for k in ['warmup', 'rollout', 'teacher', 'student', 'composer', 'cold_start', 'eval']}
@@ -570,9 +682,14 @@ def save_checkpoint(run):
              'metrics': run.metrics, 'times': run.times, 'model': run.model.state_dict(),
              'opt': run.opt.state_dict(), 'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(),
              'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0}
+    state.update(skills=run.skills, ucb=run.ucb)
+    if run.teacher_kind == 'ema':
+        state.update(ema=run.teacher.state_dict())
+    if run.method.bank:
+        state.update(bank=run.bank.state_dict())
     if run.args.method == 'lopd':
         state.update(composer=run.composer.state_dict(), composer0=run.composer0.state_dict(),
-                     opt_phi=run.opt_phi.state_dict(), bank=run.bank.state_dict())
+                     opt_phi=run.opt_phi.state_dict())
     atomic_save(state, os.path.join(run.dir, 'ckpt.pt'))
 
 
@@ -581,12 +698,16 @@ def load_checkpoint(run, path):
         state = torch.load(path, map_location=run.device, weights_only=False)
         run.model.load_state_dict(state['model'])
         run.opt.load_state_dict(state['opt'])
+        run.skills, run.ucb = state['skills'], state['ucb']
+        if run.teacher_kind == 'ema':
+            run.teacher.load_state_dict(state['ema'])
+        if run.method.bank:
+            run.bank.load_state_dict(state['bank'])
         if run.args.method == 'lopd':
             run.composer.load_state_dict(state['composer'])
             run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
             run.composer0.load_state_dict(state['composer0'])
             run.opt_phi.load_state_dict(state['opt_phi'])
-            run.bank.load_state_dict(state['bank'])
     except Exception as e:  # corrupt file, or a checkpoint of another config
         die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
     run.step, run.episodes, run.beta = state['step'], state['episodes'], state['beta']
@@ -661,16 +782,20 @@ def main(argv=None):
         wpath, cached = warmup(args, run.tok, run.model, run.env, run.device)
     print(f'warm-up: {"cached " if cached else ""}{wpath}')
     torch.manual_seed(args.seed)
-    run.teacher = copy.deepcopy(run.model).eval().requires_grad_(False)        # frozen θ0
+    run.base = copy.deepcopy(run.model).eval().requires_grad_(False)           # frozen θ0
+    run.teacher = {'frozen': run.base, 'live': run.model,                       # live: the student itself, no grad
+                   'ema': copy.deepcopy(run.base)}[run.teacher_kind]
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=args.lr or run.method.lr, weight_decay=0.0)
     run.lr_phi = args.lr_composer or args.lr or run.method.lr
+    run.skills, run.ucb = {}, {}                                                # Skill-SD's store and bandit
+    if run.method.bank:
+        run.bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), args.bank_capacity, args.allow_same_task)
     if args.method == 'lopd':
         d = run.model.get_input_embeddings().weight.shape[1]
         emb_std = run.model.get_input_embeddings().weight.std().item()
         run.composer = lopd.Composer(d, args.K, scale=emb_std).to(run.device)
         run.composer0 = None
         run.opt_phi = torch.optim.AdamW(run.composer.parameters(), lr=run.lr_phi, weight_decay=0.0)
-        run.bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), args.bank_capacity, args.allow_same_task)
     if args.resume:
         load_checkpoint(run, args.resume)
         print(f'resumed at step {run.step}, {run.episodes} episodes')
@@ -679,7 +804,7 @@ def main(argv=None):
         atomic_json(dataclasses.asdict(args), os.path.join(run.dir, 'config.json'))
         m = record_eval(run)
         print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
-        if args.method == 'lopd':
+        if run.method.bank:
             cold_start(run)
     stop = {'now': False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))          # finish the step, save, exit

@@ -66,12 +66,12 @@ def test_tasks_are_fixed_by_the_seed(env):
     assert [t.task_id for t in other.eval_tasks] != [t.task_id for t in env.eval_tasks]
 
 
-def test_q5_is_absent_from_warmup(env):
-    assert "q5 X" in env.families
-    assert "q5 X" not in env.warmup_families
-    assert set(env.warmup_families) == set(env.families) - {"q5 X"}
+def test_unseen_family_is_absent_from_warmup(env):
+    assert envs.UNSEEN in env.families
+    assert envs.UNSEEN not in env.warmup_families
+    assert set(env.warmup_families) == set(env.families) - {envs.UNSEEN}
     pool = env.make_tasks(200, seed=3, families=env.warmup_families)
-    assert all(t.family != "q5 X" for t in pool)
+    assert all(t.family != envs.UNSEEN for t in pool)
 
 
 def test_noisy_expert_is_well_formed(env):
