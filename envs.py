@@ -139,6 +139,7 @@ class ToolUse:
     max_action_tokens = 24  # bytes per agent turn; 'manager(quin)' is 13
     families = list(FAMILIES)
     warmup_families = WARMUP_FAMILIES
+    opaque = OPAQUE
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # fixed pools: the training tasks repeat (so same-task retrieval can happen), the
@@ -194,13 +195,14 @@ class ToolUse:
         ep.reward, ep.done = reward, done
         return Step(obs if not done else '', reward, done, ep.feedback if done else '')
 
-    def demo(self, task, rng, noisy=False):
+    def demo(self, task, rng, noisy=False, plan=None):
         """Scripted expert (always right) or noisy expert (the warm-up data).
 
         The noisy expert follows the right plan on transparent families 85% of the time;
         on opaque families it knows nothing and guesses a random plan, so the base model
-        has to learn those plans from experience."""
-        plan = FAMILIES[task.family]
+        has to learn those plans from experience. `plan` forces a tool plan (the warm-up's
+        context-reading demos use random plans, so that they never reveal an opaque one)."""
+        plan = plan or FAMILIES[task.family]
         if noisy and (task.family in OPAQUE or rng.random() < 0.15):
             plan = random_plan(rng)
         x = task.prompt.split()[-1]

@@ -518,21 +518,26 @@ def warmup_demo(env, task, by_family, rng):
 
     60% of demos are the noisy expert with no context. The rest teach the base to *read*
     a privileged context, as an instruction-tuned LLM can (our tiny model starts from
-    nothing): the task's reference solution (10%) or one or two expert trajectories of
-    other tasks of the same family (20%), each followed by the clean expert; or
+    nothing): a reference solution (10%) or one or two trajectories of other tasks that
+    follow the same plan (20%), each followed by a demo that follows that plan; or
     trajectories of another family (10%), followed by the noisy expert (an unhelpful
-    context is to be ignored). Without this, a text-context teacher (OPSD) would be a
-    strawman that cannot read its context."""
+    context is to be ignored). On opaque families the plan shown and followed is a random
+    one, never the family's true plan, so that reading is learned but no opaque plan is:
+    those stay learnable only from experience. Without this warm-up a text-context
+    teacher (OPSD) would be a strawman that cannot read its context."""
     u = rng.random()
     if u < 0.6:
         return envs.play(env, task, env.demo(task, rng, noisy=True)), None
+    if u >= 0.9:  # an unhelpful context: another family's trajectories
+        fam = rng.choice([f for f in by_family if f != task.family])
+        texts = [env.trajectory_text(envs.play(env, t, env.demo(t, rng))) for t in rng.sample(by_family[fam], 2)]
+        return envs.play(env, task, env.demo(task, rng, noisy=True)), experiences_text(texts[:rng.randint(1, 2)])
+    kw = {'plan': envs.random_plan(rng)} if task.family in getattr(env, 'opaque', ()) else {}
+    ep = envs.play(env, task, env.demo(task, rng, **kw))
     if u < 0.7:
-        return envs.play(env, task, env.demo(task, rng)), solution_text(task)
-    same = u < 0.9
-    fam = task.family if same else rng.choice([f for f in by_family if f != task.family])
-    others = [rng.choice(by_family[fam]) for _ in range(rng.randint(1, 2))]
-    texts = [env.trajectory_text(envs.play(env, t, env.demo(t, rng))) for t in others]
-    return envs.play(env, task, env.demo(task, rng, noisy=not same)), experiences_text(texts)
+        return ep, f'reference solution: {env.trajectory_text(ep)}\n'
+    others = rng.sample(by_family[task.family], rng.randint(1, 2))
+    return ep, experiences_text([env.trajectory_text(envs.play(env, t, env.demo(t, rng, **kw))) for t in others])
 
 
 def warmup_loss(model, tok, demos, contexts, device):
@@ -552,7 +557,7 @@ def warmup_loss(model, tok, demos, contexts, device):
 
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method."""
-    key = json.dumps(['ctx-v2', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
+    key = json.dumps(['ctx-v3', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
                       args.warmup_lr, M.SPECIALS, MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     if os.path.exists(path):
