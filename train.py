@@ -632,7 +632,8 @@ def evaluate(run):
         fam.setdefault(e.task.family, []).append(e.reward)
     out['family'] = {f: float(np.mean(v)) for f, v in fam.items()}
     if run.method.context is not None and run.args.teacher_eval:
-        tasks = tasks[::max(1, len(tasks) // run.args.teacher_eval)][:run.args.teacher_eval]
+        tasks = tasks[:run.args.teacher_eval]  # families cycle, so the first N are balanced
+        out['student_success_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
         probe = [run.env.reset(t) for t in tasks]
         prefixes = run.method.context(run, probe)
         prefixes = prefixes[0] if isinstance(prefixes, tuple) else prefixes
