@@ -472,6 +472,8 @@ def write_back(run, eps):
 def optimizer_step(run, opt, loss, module):
     """One update, skipped (and counted) if the loss or a gradient is not finite."""
     opt.zero_grad(set_to_none=True)
+    if not loss.requires_grad:  # nothing this step depends on the parameters (e.g. nothing retrieved)
+        return
     if not torch.isfinite(loss):
         run.log['skipped'].append(1)
         return
