@@ -149,9 +149,9 @@ def teacher_inputs(prefixes, body, body_mask):
     prefixes: list of B tensors (P_i, d) — the context for row i: embedded framing text
       with latent tokens z spliced in (LOPD), or an embedded text context (OPSD, ...).
     body: (B, T, d) embedded trajectory, body_mask (B, T).
-    Prefixes are left-padded to P = max P_i, so every row's trajectory starts at index P
-    and teacher position P−1+t predicts the same token as student position t−1... i.e.
-    the teacher's logits[:, P-1:P-1+T] line up with the student's logits[:, :T].
+    Prefixes are left-padded to P = max P_i, so every row's trajectory starts at index P:
+    the teacher's logits[:, P-1:P-1+T] predict body tokens 0..T-1, exactly as a student
+    with a one-token prefix (<|bos|>, P = 1) does with its logits[:, 0:T].
     -> embeds (B, P+T, d), mask (B, P+T), P."""
     B, T, d = body.shape
     P = max(p.shape[0] for p in prefixes)

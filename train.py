@@ -13,14 +13,15 @@ shared by every method), and the LOPD cold start (fill the bank with base rollou
 which count toward the episode budget, then pre-train φ by the frozen teacher's NLL of
 successful trajectories given the latents of *other* tasks' experiences).
 
-Baselines, same base and budget: `grpo` (PPO-clip, group advantage, G = 4) and `opsd`
-(frozen θ0 shown the task's reference solution as text, JSD 0.5). A new variant is one
-context builder plus one entry in METHODS (the block marked FORK HERE).
+Baselines, same base and budget (DESIGN §2): grpo, opsd, sdpo, sdft, skillsd and the
+trajtext ablation. A new variant is one context builder plus one entry in METHODS (the
+block marked FORK HERE); the teacher's weights are frozen θ0, an EMA of θ, or θ itself.
 
 Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and its
 clip never binds (the loss is the clipped objective all the same); the teacher forward
 for LOPD is run once with φ's graph kept and reused by the student phase (detached)
-and the composer phase, which gives the same numbers as two separate forwards.
+and the composer phase, which gives the same numbers as two separate forwards; the latents
+follow <|bos|> with no framing text (framing hurt our from-scratch base, see compose).
 """
 import argparse
 import contextlib
