@@ -21,7 +21,7 @@ Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and
 clip never binds (the loss is the clipped objective all the same); the teacher forward
 for LOPD is run once with φ's graph kept and reused by the student phase (detached)
 and the composer phase, which gives the same numbers as two separate forwards; the latents
-follow <|bos|> with no framing text (framing hurt our from-scratch base, see compose).
+follow <|bos|> with no framing text (framing hurt our from-scratch base, see lopd_context).
 """
 import argparse
 import contextlib
