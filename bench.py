@@ -1,0 +1,425 @@
+"""Compare every method on one environment: several seeds, one base, one episode budget.
+
+    python bench.py --env tooluse            # 9 entries x seeds 1,2,3 -> runs/compare-tooluse/results.md
+    python bench.py --env tooluse --quick    # 5 entries x seeds 1,2 at 1024 episodes -> compare-tooluse-quick/
+    python bench.py --env tooluse --tune     # 3 settings per method on seed 0 -> compare-tooluse/tuning.json
+
+Each run is its own `python train.py` process (a crash costs one run, not the bench), its
+output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed
+from their ckpt.pt, so a rerun only does what is missing. Seed 0 is the validation seed:
+--tune picks each method's knob on it, and the compare reports seeds >= 1 only, with the
+tuned flags when tuning.json exists (--no_tuned ignores it). Any other `--flag value` or
+`--set key=value` goes to train.py for every run. Run names carry the budget and a hash of
+the flags beyond the entry's own, so quick, full and tuned runs never collide.
+
+Reported per entry: final held-out success mean ± std (sample std over seeds), best, the
+area under the success-vs-episodes curve / budget, the episodes the seed-mean curve needs
+to reach GRPO's final mean success (the paper's sample-efficiency claim), base, teacher
+success and wall time; LOPD's diagnostics where logged. Not done: significance tests (with
+3 seeds, read the min-max band in curves.png), and runs of several environments at once.
+
+Cost on 2 CPU cores (--jobs 2, from the single-run times in README; the first run builds the
+warm-up, ~1.5 min, alone): full 27 runs, ~2,000 CPU-s per seed, ~50-60 min; quick 10 runs,
+~800 CPU-s, ~7-9 min; tune 21 runs, ~4,400 CPU-s, ~40 min.
+"""
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# entry -> train.py flags. A new method or ablation is one more line here.
+ENTRIES = {
+    'lopd':        ['--method', 'lopd'],
+    'grpo':        ['--method', 'grpo'],
+    'opsd':        ['--method', 'opsd'],
+    'sdpo':        ['--method', 'sdpo'],
+    'sdft':        ['--method', 'sdft'],
+    'skillsd':     ['--method', 'skillsd'],
+    'trajtext':    ['--method', 'trajtext'],
+    'lopd-frozen': ['--method', 'lopd', '--frozen_composer'],
+    'lopd-m0':     ['--method', 'lopd', '--margin', '0'],
+}
+# --quick: ~10 runs of 1024 episodes. LOPD's 300-step cold start (~140 s on 2 cores) costs
+# more than its training at this budget, so quick shortens it; pass --cold_start_steps 300 to undo.
+QUICK_ENTRIES = ['lopd', 'grpo', 'opsd', 'lopd-frozen', 'lopd-m0']
+QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--cold_start_steps', '100']
+# --tune: the SAME number of settings (3) for every method, the default first (a tie keeps
+# it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
+DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
+TUNE = {
+    'lopd':     [[], ['--margin', '0.02'], ['--margin', '0.1']],
+    'grpo':     [[], ['--lr', '3e-5'], ['--lr', '3e-4']],
+    'opsd':     DISTILL_LR,
+    'sdpo':     [[], ['--lr', '3e-4'], ['--ema_rate', '0.01']],
+    'sdft':     DISTILL_LR,
+    'skillsd':  [[], ['--lr', '3e-4'], ['--k3_coef', '0.01']],
+    'trajtext': DISTILL_LR,
+}
+OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
+
+
+def die(msg):
+    print(f'bench.py: error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        die(message)
+
+
+def method_of(entry):
+    f = ENTRIES[entry]
+    return f[f.index('--method') + 1]
+
+
+# ----------------------------------------------------------------------------- planning runs
+
+def train_args(flags):
+    """train.py's own parser on these flags -> its Args; a bad flag is bench's one-line error."""
+    import train  # slow (torch), so only once the bench's own arguments are known good
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return train.parse_args(flags)
+    except SystemExit:
+        die(f"train.py rejects `{' '.join(flags)}`: {err.getvalue().strip().removeprefix('train.py: error: ')}")
+
+
+def plan(prefix, entry, own, flags, env, seed, label=''):
+    """One run: its name and train.py flags. `own` = the entry's flags, `flags` = everything.
+    The name has the budget and, if `flags` change anything beyond `own`, a hash of that."""
+    a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(train_args(flags + ['--env', env]))
+    diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device'))
+    tag = '-' + hashlib.sha1(json.dumps(diff).encode()).hexdigest()[:6] if diff else ''
+    name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
+    return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env]}
+
+
+def status(run_dir, budget):
+    """'done' (summary.json at the budget), 'resume' (a checkpoint to continue) or 'new'."""
+    s = read_json(os.path.join(run_dir, 'summary.json'))
+    if s and s.get('episodes', 0) >= budget:
+        return 'done'
+    return 'resume' if os.path.isfile(os.path.join(run_dir, 'ckpt.pt')) else 'new'
+
+
+def launch(cmd, log_path, env, warm=None):
+    """Run one train.py to the end, its stdout and stderr appended to log_path (a resumed run
+    keeps its history) -> exit status. With `warm`, set it once the log has a 'warm-up:' line
+    (train.py prints it once the base is built and cached, or loaded)."""
+    with open(log_path, 'a') as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if warm is not None:
+        while p.poll() is None and 'warm-up:' not in open(log_path, errors='replace').read():
+            time.sleep(1)
+        warm.set()
+    return p.wait()
+
+
+def run_all(runs, out_dir, log_dir, jobs):
+    """Launch every run not yet finished, `jobs` at a time -> (launched, failed) names."""
+    todo = [(r, status(os.path.join(out_dir, r['name']), r['budget'])) for r in runs]
+    todo = [(r, s) for r, s in todo if s != 'done']
+    if not todo:
+        return [], []
+    os.makedirs(log_dir, exist_ok=True)
+    # one BLAS thread per run when several share the cores: the model is tiny, extra threads only spin
+    env = {'OMP_NUM_THREADS': str(max(1, (os.cpu_count() or 1) // jobs)), **os.environ,
+           'PYTHONUNBUFFERED': '1', 'TQDM_MININTERVAL': '30'}  # logs: unbuffered, a progress line per 30 s
+    bar, lock, running, failed = tqdm(total=len(todo), desc='bench runs', dynamic_ncols=True), threading.Lock(), [], []
+
+    def one(item, warm=None):
+        r, s = item
+        d = os.path.join(out_dir, r['name'])
+        cmd = [sys.executable, os.path.join(ROOT, 'train.py')]
+        cmd += (['--resume', d, '--episodes', str(r['budget'])] if s == 'resume' else
+                r['flags'] + ['--seed', str(r['seed']), '--name', r['name'], '--out_dir', out_dir])
+        with lock:
+            running.append(r['name'])
+            bar.set_postfix_str(', '.join(running))
+        rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, warm)
+        with lock:
+            running.remove(r['name'])
+            failed.extend([r['name']] if rc else [])
+            bar.update(1)
+
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        # the first run alone until its warm-up is cached: two runs building it would race on one file
+        warm = threading.Event()
+        first = pool.submit(one, todo[0], warm)
+        while not warm.is_set() and not first.done():
+            time.sleep(0.2)
+        list(pool.map(one, todo[1:]))
+        first.result()
+    except KeyboardInterrupt:  # the runs got the Ctrl-C too: they save a checkpoint and stop
+        pool.shutdown(cancel_futures=True)
+        bar.close()
+        print('bench: interrupted; the same command continues where it stopped', file=sys.stderr)
+        sys.exit(130)
+    pool.shutdown()
+    bar.close()
+    return [r['name'] for r, _ in todo], failed
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_run(run_dir):
+    """-> (summary or None, config or {}, eval points sorted by episodes). A resumed run may
+    have logged a step twice; the last line for a step wins. A torn last line is skipped."""
+    evals = {}
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                m = json.loads(line)
+                evals[m.get('step')] = m
+    return (read_json(os.path.join(run_dir, 'summary.json')), read_json(os.path.join(run_dir, 'config.json')) or {},
+            sorted(evals.values(), key=lambda m: m['episodes']))
+
+
+def auc(x, y, budget):
+    """Area under success vs episodes (trapezoid over the eval points) / budget, in [0, 1].
+    e.g. x = [0, 512, 1024], y = [0.5, 0.5, 1.0], budget 1024 -> (256 + 384) / 1024 = 0.625."""
+    return float(np.trapezoid(y, np.minimum(np.asarray(x, float), budget)) / budget)
+
+
+def episodes_to_reach(x, y, target):
+    """The first eval point whose success is >= target, or None (not reached)."""
+    hit = np.nonzero(np.asarray(y) >= target - 1e-9)[0]
+    return int(x[hit[0]]) if len(hit) else None
+
+
+def mean_of(values):
+    v = [x for x in values if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def summarize(run_dirs, budget):
+    """Finished runs of one entry -> its row of results.json (None if no run finished)."""
+    runs = [(s, c, ev) for s, c, ev in map(load_run, run_dirs) if s and ev and s.get('episodes', 0) >= budget]
+    if not runs:
+        return None
+    # seed curves on the union of their eval points (linear in between: the trapezoid is unchanged)
+    x = np.unique(np.concatenate([[m['episodes'] for m in ev] for _, _, ev in runs]))
+    Y = np.stack([np.interp(x, [m['episodes'] for m in ev], [m['success'] for m in ev]) for _, _, ev in runs])
+    final = [s['final_success'] for s, _, _ in runs]
+    aucs = [auc(x, y, budget) for y in Y]
+    row = {'seeds': [s.get('seed') for s, _, _ in runs], 'final': final, 'final_mean': float(np.mean(final)),
+           'final_std': float(np.std(final, ddof=1)) if len(final) > 1 else 0.0,
+           'best_mean': mean_of([s.get('best_success') for s, _, _ in runs]),
+           'auc_mean': float(np.mean(aucs)), 'auc_std': float(np.std(aucs, ddof=1)) if len(aucs) > 1 else 0.0,
+           'base_mean': mean_of([s.get('base_success') for s, _, _ in runs]),
+           'teacher_success': mean_of([s.get('teacher_success') for s, _, _ in runs]),
+           'wall_seconds': mean_of([s.get('wall_seconds') for s, _, _ in runs]),
+           'curve': {'episodes': x.tolist(), 'mean': Y.mean(0).tolist(), 'std': Y.std(0).tolist(),
+                     'min': Y.min(0).tolist(), 'max': Y.max(0).tolist(), 'seeds': Y.tolist()}}
+    last = lambda k: mean_of([ev[-1].get(k) for _, _, ev in runs])
+    avg = lambda k: mean_of([mean_of([m.get(k) for m in ev]) for _, _, ev in runs])
+    diag = {'teacher_success': last('teacher_success'), 'student_success_same_tasks': last('student_success_same_tasks'),
+            'delta_mean': avg('delta'), 'anchor_mean': avg('anchor'), 'family_hit_mean': avg('family_hit'),
+            'beta_final': last('beta') if any(c.get('method') == 'lopd' for _, c, _ in runs) else None}
+    row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
+    return row
+
+
+def add_reach(results):
+    """Episodes each entry's seed-mean curve needs to reach GRPO's final mean success."""
+    target = results['grpo']['final_mean'] if results.get('grpo') else None
+    for r in results.values():
+        if r:
+            r['episodes_to_grpo_final'] = (episodes_to_reach(r['curve']['episodes'], r['curve']['mean'], target)
+                                           if target is not None else None)
+    return target
+
+
+# ----------------------------------------------------------------------------- writing
+
+def fmt(v, spec='.3f'):
+    return '—' if v is None else format(v, spec)
+
+
+def write_results(cmp_dir, results, meta, target):
+    results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
+    with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
+        json.dump(results_json, f, indent=1)
+    reach = lambda r: ('n/a (no grpo)' if target is None else 'not reached' if r['episodes_to_grpo_final'] is None
+                       else str(r['episodes_to_grpo_final']))
+    md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
+          f"`{meta['command']}` at commit {meta['commit']}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. GRPO's final mean success (the target of "
+          f"\"episodes to GRPO\"): {fmt(target)}. ± is the sample std over seeds; AUC = area under success vs "
+          f"episodes / budget.", '',
+          '| entry | flags | seeds | final success | best | AUC | episodes to GRPO final | base | teacher | wall s |',
+          '|---|---|---|---|---|---|---|---|---|---|']
+    for e, r in results.items():
+        flags = f"`{' '.join(meta['flags'][e])}`"
+        md.append(f'| {e} | {flags} | 0 | — | — | — | — | — | — | — |' if not r else
+                  f"| {e} | {flags} | {len(r['final'])} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | "
+                  f"{fmt(r['best_mean'])} | {r['auc_mean']:.3f} | {reach(r)} | {fmt(r['base_mean'])} | "
+                  f"{fmt(r['teacher_success'])} | {fmt(r['wall_seconds'], '.0f')} |")
+    md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means):', '',
+           '| entry | teacher (final) | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
+           '|---|---|---|---|---|---|---|']
+    keys = ['teacher_success', 'student_success_same_tasks', 'delta_mean', 'beta_final', 'anchor_mean', 'family_hit_mean']
+    md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
+           for e, r in results.items() if r and r['diagnostics']]
+    if meta['failed']:
+        md += ['', 'Failed runs (see logs/): ' + ', '.join(meta['failed'])]
+    with open(os.path.join(cmp_dir, 'results.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+
+
+def plot_curves(path, results, target):
+    import matplotlib
+    matplotlib.use('Agg')  # no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for e, r in results.items():
+        if r:
+            c = r['curve']
+            line, = ax.plot(c['episodes'], c['mean'], '-', marker='.', label=f"{e} ({len(r['final'])} seeds)")
+            ax.fill_between(c['episodes'], c['min'], c['max'], color=line.get_color(), alpha=0.15)
+    if target is not None:
+        ax.axhline(target, color='k', ls=':', lw=1, label="GRPO's final mean")
+    ax.set(xlabel='episodes sampled', ylabel='held-out success (seed mean, min–max band)', ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_tuning(cmp_dir, grid, meta):
+    """Best final success per entry on seed 0 -> tuning.json (merged with earlier tunings) + tuning.md."""
+    path = os.path.join(cmp_dir, 'tuning.json')
+    tuning = (read_json(path) or {}) | {'meta': meta}
+    md = ['# Tuning on seed 0 (validation seed, not reported)', '', '| entry | setting | final success | best | chosen |',
+          '|---|---|---|---|---|']
+    for e, settings in grid.items():
+        done = [s for s in settings if s['final_success'] is not None]
+        best = max(done, key=lambda s: s['final_success']) if done else None  # max keeps the first of ties
+        tuning[e] = {'flags': best['setting'] if best else [], 'final_success': best and best['final_success'], 'grid': settings}
+        md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_success'])} | {fmt(s['best_success'])} | "
+               f"{'✓' if s is best else ''} |" for s in settings]
+    with open(path, 'w') as f:
+        json.dump(tuning, f, indent=1)
+    with open(os.path.join(cmp_dir, 'tuning.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse(argv):
+    p = Parser(description=__doc__.split('\n')[0], allow_abbrev=False,  # --seed must not abbreviate --seeds
+               epilog='Other --flag value pairs are forwarded to train.py for every run.')
+    p.add_argument('--env', default='tooluse', help='environment (train.py --env)')
+    p.add_argument('--methods', default='', help=f"comma-separated entries of {', '.join(ENTRIES)} "
+                   f"(default: all; --quick: {','.join(QUICK_ENTRIES)})")
+    p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3; --quick: 1,2)')
+    p.add_argument('--quick', action='store_true',
+                   help=f"seeds 1,2, {' '.join(QUICK_FLAGS)}, 5 entries, in compare-<env>-quick/")
+    p.add_argument('--tune', action='store_true', help='3 settings per method on seed 0 -> tuning.json (used by compares)')
+    p.add_argument('--no_tuned', action='store_true', help="ignore tuning.json's chosen flags")
+    p.add_argument('--out_dir', default='runs', help='where the runs, the warm-up cache and compare-<env>/ go')
+    p.add_argument('--jobs', type=int, default=2, help='runs at a time (one core each on a 2-core machine)')
+    p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='a train.py flag, every run (repeatable)')
+    o, extras = p.parse_known_args(argv)
+    if o.jobs < 1:
+        die(f'--jobs must be >= 1, got {o.jobs}')
+    for kv in o.set:
+        if '=' not in kv:
+            die(f'--set {kv!r}: expected KEY=VALUE')
+        k, v = kv.split('=', 1)
+        extras += [f'--{k}'] if v.lower() == 'true' else [] if v.lower() == 'false' else [f'--{k}', v]
+    bad = [t for t in extras if t.split('=')[0] in OWN]
+    if bad:
+        die(f'{bad[0]} is set by bench.py per run (use --methods / --seeds)')
+    o.entries = [e for e in (o.methods or ','.join(QUICK_ENTRIES if o.quick else ENTRIES)).split(',') if e]
+    unknown = [e for e in o.entries if e not in ENTRIES]
+    if unknown:
+        die(f"--methods: {unknown[0]!r} is not one of {', '.join(ENTRIES)}")
+    try:
+        o.seeds = [int(s) for s in (o.seeds or ('1,2' if o.quick else '1,2,3')).split(',')]
+    except ValueError:
+        die(f'--seeds {o.seeds!r}: expected comma-separated integers')
+    if 0 in o.seeds or min(o.seeds) < 0:
+        die('--seeds must be >= 1: seed 0 is the tuning (validation) seed and is not reported')
+    if o.tune and not set(o.entries) & set(TUNE):
+        die(f"--tune: none of {', '.join(o.entries)} has a grid (methods: {', '.join(TUNE)})")
+    o.extras = (QUICK_FLAGS if o.quick else []) + extras  # the user's flags come last, so they win
+    return o
+
+
+def main(argv=None):
+    t0 = time.time()
+    o = parse(sys.argv[1:] if argv is None else argv)
+    out_dir = os.path.abspath(o.out_dir)
+    cmp_dir = os.path.join(out_dir, f"compare-{o.env}{'-quick' if o.quick else ''}")  # a quick tuning tunes quick runs
+    tuned = {} if o.no_tuned or o.tune else read_json(os.path.join(cmp_dir, 'tuning.json')) or {}
+    if o.tune:
+        entries = [e for e in o.entries if e in TUNE]
+        runs = [plan('tune', e, ENTRIES[e] + s, s + o.extras + ENTRIES[e], o.env, 0,
+                     '-' + ''.join(x.lstrip('-') for x in s) if s else '-default') | {'setting': s}
+                for e in entries for s in TUNE[e]]
+    else:
+        # an entry's own flags come last, so that an ablation holds whatever was tuned or forwarded
+        tuned_flags = {e: (tuned.get(e) or tuned.get(method_of(e)) or {}).get('flags', []) for e in o.entries}
+        runs = [plan('cmp', e, ENTRIES[e], tuned_flags[e] + o.extras + ENTRIES[e], o.env, s)
+                for e in o.entries for s in o.seeds]
+    os.makedirs(cmp_dir, exist_ok=True)  # only now: every run's flags passed train.py's checks
+    launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
+    command = 'python bench.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
+    meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
+            'commit': git_commit(), 'failed': failed}
+    if o.tune:
+        grid = {}
+        for r in runs:
+            s = read_json(os.path.join(out_dir, r['name'], 'summary.json')) or {}
+            grid.setdefault(r['entry'], []).append({'setting': r['setting'], 'name': r['name'], 'final_success':
+                                                    s.get('final_success'), 'best_success': s.get('best_success')})
+        write_tuning(cmp_dir, grid, meta)
+        table = os.path.join(cmp_dir, 'tuning.md')
+    else:
+        results = {e: summarize([os.path.join(out_dir, r['name']) for r in runs if r['entry'] == e], runs[0]['budget'])
+                   for e in o.entries}
+        target = add_reach(results)
+        shown = {e: tuned_flags[e] + ENTRIES[e] for e in o.entries}
+        write_results(cmp_dir, results, meta | {'seeds': o.seeds, 'tuned': bool(tuned), 'flags': shown}, target)
+        plot_curves(os.path.join(cmp_dir, 'curves.png'), results, target)
+        table = os.path.join(cmp_dir, 'results.md')
+    print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
+          f'table in {os.path.relpath(table)}')
+    sys.exit(1 if failed else 0)
+
+
+def git_commit():
+    with contextlib.suppress(Exception):
+        return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    return 'unknown'
+
+
+if __name__ == '__main__':
+    main()

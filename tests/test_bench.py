@@ -1,0 +1,175 @@
+"""bench.py: the aggregates against hand-made run folders (mean ± std, AUC, episodes to
+reach GRPO's final success), reuse of finished runs (no process launched), bad arguments,
+and one real end-to-end bench of two tiny runs."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+import bench  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = ["--episodes", "64", "--batch", "16", "--warmup_steps", "10", "--init_episodes", "16", "--cold_start_steps", "2",
+        "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8", "--d_model", "32", "--n_layer", "1"]
+
+
+def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False):
+    """A run folder as train.py leaves it: config.json, metrics.jsonl, summary.json."""
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"method": method, "seed": seed}, f)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            m = {"success": y, "episodes": x, "step": i, "beta": 0.1 * i, "delta": delta, "loss": None}
+            if teacher is not None:
+                m.update(teacher_success=teacher, student_success_same_tasks=y)
+            f.write(json.dumps(m) + "\n")
+    if summary:
+        with open(os.path.join(d, "summary.json"), "w") as f:
+            json.dump({"method": method, "seed": seed, "episodes": xs[-1], "base_success": ys[0], "final_success": ys[-1],
+                       "best_success": max(ys), "teacher_success": teacher, "wall_seconds": 10.0}, f)
+    if ckpt:
+        open(os.path.join(d, "ckpt.pt"), "w").close()
+
+
+def test_auc_and_reach_by_hand():
+    # the docstring's example: (0.5 * 512 + 0.75 * 512) / 1024
+    assert bench.auc([0, 512, 1024], [0.5, 0.5, 1.0], 1024) == pytest.approx(0.625)
+    assert bench.auc([0, 1024], [1.0, 1.0], 1024) == pytest.approx(1.0)
+    assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.6) == 512
+    assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.8) is None
+
+
+def test_summarize_and_reach_on_fake_runs(tmp_path):
+    d = str(tmp_path)
+    fake_run(f"{d}/g1", "grpo", 1, [0, 512, 1024], [0.5, 0.6, 0.7])
+    fake_run(f"{d}/g2", "grpo", 2, [0, 512, 1024], [0.5, 0.5, 0.5])
+    # lopd's eval points differ from grpo's (the bank filling comes first) and between its
+    # two runs here: the seed curves meet on the union of their points
+    fake_run(f"{d}/l1", "lopd", 1, [0, 256, 1024], [0.5, 0.7, 0.8], teacher=0.9, delta=0.2)
+    fake_run(f"{d}/l2", "lopd", 2, [0, 512, 1024], [0.5, 0.6, 0.4], teacher=0.7, delta=0.4)
+    fake_run(f"{d}/o1", "opsd", 1, [0, 512, 1024], [0.5, 0.2, 0.1], teacher=0.0)
+    fake_run(f"{d}/x1", "opsd", 2, [0, 512], [0.5, 0.2])                   # short of the budget: left out
+    res = {"grpo": bench.summarize([f"{d}/g1", f"{d}/g2"], 1024),
+           "lopd": bench.summarize([f"{d}/l1", f"{d}/l2"], 1024),
+           "opsd": bench.summarize([f"{d}/o1", f"{d}/x1"], 1024),
+           "sdpo": bench.summarize([f"{d}/missing"], 1024)}
+    g, lo, op = res["grpo"], res["lopd"], res["opsd"]
+    assert g["final_mean"] == pytest.approx(0.6) and g["final_std"] == pytest.approx(np.std([0.7, 0.5], ddof=1))
+    assert op["final"] == [0.1] and op["final_std"] == 0.0 and res["sdpo"] is None
+    assert lo["best_mean"] == pytest.approx((0.8 + 0.6) / 2) and lo["base_mean"] == 0.5
+    # AUC by hand: seed 1 (0.5+0.7)/2*256 + (0.7+0.8)/2*768 = 729.6; seed 2 (0.5+0.6)/2*512 + (0.6+0.4)/2*512 = 537.6
+    assert lo["auc_mean"] == pytest.approx((729.6 + 537.6) / 2 / 1024)
+    assert lo["curve"]["episodes"] == [0, 256, 512, 1024]
+    assert lo["curve"]["mean"] == pytest.approx([0.5, (0.7 + 0.55) / 2, (0.7 + 0.1 / 3 + 0.6) / 2, 0.6])
+    assert lo["diagnostics"]["delta_mean"] == pytest.approx(0.3) and lo["diagnostics"]["teacher_success"] == 0.8
+    assert lo["diagnostics"]["beta_final"] == pytest.approx(0.2) and "beta_final" not in op["diagnostics"]
+    assert "delta_mean" not in g["diagnostics"]
+    # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
+    assert bench.add_reach(res) == pytest.approx(0.6)
+    assert (lo["episodes_to_grpo_final"], g["episodes_to_grpo_final"], op["episodes_to_grpo_final"]) == (256, 1024, None)
+
+
+def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    calls = []
+
+    def launch(cmd, log_path, env, warm=None):  # instead of a train.py process: a fake finished run
+        calls.append(cmd)
+        name = os.path.basename(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd else cmd[cmd.index("--name") + 1]
+        fake_run(f"{out}/{name}", name.split("-")[1], int(name[-1]), [0, 32, 64], [0.5, 0.5, 0.6])
+        if warm:
+            warm.set()
+        return 0
+
+    monkeypatch.setattr(bench, "launch", launch)
+    for m in ["lopd", "grpo"]:
+        for s in [1, 2]:
+            fake_run(f"{out}/cmp-{m}-tooluse-e64-s{s}", m, s, [0, 32, 64], [0.5, 0.6, 0.7 if m == "grpo" else 0.4])
+    argv = ["--methods", "lopd,grpo", "--seeds", "1,2", "--out_dir", out, "--episodes", "64"]
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 0 and calls == []
+    table = open(f"{out}/compare-tooluse/results.md").read()
+    assert "| lopd | `--method lopd` | 2 | 0.400 ± 0.000 |" in table and "| grpo |" in table and "not reached" in table
+    res = json.load(open(f"{out}/compare-tooluse/results.json"))
+    assert res["grpo_final_mean"] == pytest.approx(0.7) and res["entries"]["grpo"]["episodes_to_grpo_final"] == 64
+    # one run interrupted (a checkpoint, no summary), one never started: only those two run
+    for name in ["cmp-lopd-tooluse-e64-s2", "cmp-grpo-tooluse-e64-s2"]:
+        os.remove(f"{out}/{name}/summary.json")
+    fake_run(f"{out}/cmp-lopd-tooluse-e64-s2", "lopd", 2, [0, 32], [0.5, 0.6], summary=False, ckpt=True)
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert len(calls) == 2
+    assert calls[0][-4:] == ["--resume", f"{out}/cmp-lopd-tooluse-e64-s2", "--episodes", "64"]
+    assert "--resume" not in calls[1] and calls[1][calls[1].index("--seed") + 1] == "2"
+
+
+def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypatch):
+    out, calls = str(tmp_path), []
+
+    def launch(cmd, log_path, env, warm=None):  # the larger margin / lr wins; ties keep the default
+        calls.append(cmd)
+        name = cmd[cmd.index("--name") + 1]
+        good = "margin0.1" in name or "lr3e-4" in name
+        fake_run(f"{out}/{name}", "x", int(name[-1]), [0, 32, 64], [0.5, 0.6, 0.7 if good else 0.5])
+        return 0
+
+    monkeypatch.setattr(bench, "launch", launch)
+    with pytest.raises(SystemExit):
+        bench.main(["--tune", "--methods", "lopd,grpo,lopd-m0", "--out_dir", out, "--episodes", "64"])
+    assert len(calls) == 6 and all(c[c.index("--seed") + 1] == "0" for c in calls)  # 3 settings each, seed 0
+    assert "tune-lopd-tooluse-e64-margin0.1-s0" in [c[c.index("--name") + 1] for c in calls]
+    tuning = json.load(open(f"{out}/compare-tooluse/tuning.json"))
+    assert tuning["lopd"]["flags"] == ["--margin", "0.1"] and tuning["grpo"]["flags"] == ["--lr", "3e-4"]
+    assert "✓" in open(f"{out}/compare-tooluse/tuning.md").read()
+    calls.clear()
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "lopd,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
+    lo, m0 = calls
+    assert lo[lo.index("--margin") + 1] == "0.1" and "-e64-" in lo[lo.index("--name") + 1]
+    assert m0[len(m0) - 1 - m0[::-1].index("--margin") + 1] == "0"  # the ablation's own flag comes last, so it holds
+    assert lo[lo.index("--name") + 1] != "cmp-lopd-tooluse-e64-s1"  # tuned runs are not the untuned ones
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--methods", "lopd,nope"], ["--methods", "nope"]),
+    (["--seeds", "0,1"], ["--seeds", "seed 0"]),
+    (["--seed", "3"], ["--seed"]),
+    (["--set", "lr"], ["--set", "lr"]),
+    (["--methods", "grpo", "--batch", "6"], ["--batch", "6"]),   # train.py's own check, before any run
+])
+def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path):
+    p = subprocess.run([sys.executable, "bench.py", *argv, "--out_dir", str(tmp_path)], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and p.stdout == "" and len(lines) == 1, p.stderr
+    assert lines[0].startswith("bench.py: error:") and all(w in lines[0] for w in words), lines[0]
+    assert not os.listdir(tmp_path)  # nothing was started
+
+
+def test_end_to_end_tiny_bench(tmp_path):
+    """Two real tiny runs (lopd, grpo on seed 1) through bench.py, two at a time."""
+    p = subprocess.run([sys.executable, "bench.py", "--methods", "lopd,grpo", "--seeds", "1", "--out_dir", str(tmp_path),
+                        *TINY], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    cmp = tmp_path / "compare-tooluse"
+    for f in ["results.md", "results.json", "curves.png"]:
+        assert (cmp / f).is_file(), f
+    rows = [line.split("|")[1].strip() for line in (cmp / "results.md").read_text().splitlines() if line.startswith("| ")]
+    assert rows[1:3] == ["lopd", "grpo"]  # after the header row
+    res = json.loads((cmp / "results.json").read_text())
+    lo = res["entries"]["lopd"]
+    assert res["episodes"] == 64 and lo["seeds"] == [1] and 0 <= lo["auc_mean"] <= 1
+    assert "teacher_success" in lo["diagnostics"] and "beta_final" in lo["diagnostics"]
+    assert len(lo["curve"]["episodes"]) == len(lo["curve"]["mean"]) >= 2
+    assert (cmp / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logs = sorted(os.listdir(cmp / "logs"))
+    assert len(logs) == 2 and all(n.startswith("cmp-") and n.endswith("-s1.log") for n in logs)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("bench: 2 runs (2 launched, 0 failed)") and "results.md" in last
