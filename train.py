@@ -91,6 +91,9 @@ class Args:
     bank_capacity: int = arg(4000, 'LOPD: experience bank size (FIFO)')
     teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)')
     device: str = arg('auto', 'auto, cpu, cuda or mps')
+    dtype: str = arg('auto', 'compute dtype: fp32, bf16 (autocast), or auto = bf16 on a CUDA device that supports it, else fp32')
+    max_skips: int = arg(5, 'stop the run after this many updates in a row with a non-finite loss or gradient')
+    inject_nan: str = arg('', 'test hook: comma-separated steps whose student loss is made NaN (they must be skipped)')
 
 
 def die(msg):
@@ -104,7 +107,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.split('\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split('\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               allow_abbrev=False)
     for f in dataclasses.fields(Args):
         if f.type is bool or f.type == 'bool':
             p.add_argument(f'--{f.name}', action='store_true', help=f.metadata['help'])
@@ -148,6 +152,26 @@ def check_args(a):
         die(f'--device {a.device!r} is not one of auto, cpu, cuda, mps')
     if a.device == 'cuda' and not torch.cuda.is_available():
         die('--device cuda asked for, but torch sees no CUDA device')
+    if a.dtype not in ('auto', 'fp32', 'bf16'):
+        die(f'--dtype {a.dtype!r} is not one of auto, fp32, bf16 (fp16 is not offered: it needs loss scaling)')
+    if a.dtype == 'bf16' and pick_device(a.device).type == 'cuda' and not torch.cuda.is_bf16_supported():
+        die('--dtype bf16: this CUDA device does not support bfloat16; use --dtype fp32')
+    if a.dtype == 'bf16' and pick_device(a.device).type == 'mps':
+        die('--dtype bf16 is not supported on mps here; use --dtype fp32')
+    if a.max_skips <= 0:
+        die(f'--max_skips must be positive, got {a.max_skips}')
+    if a.inject_nan and not all(x.strip().isdigit() for x in a.inject_nan.split(',')):
+        die(f'--inject_nan takes comma-separated step numbers, got {a.inject_nan!r}')
+    if a.method != 'lopd':
+        for k in ('frozen_composer', 'lr_composer'):
+            if getattr(a, k):
+                die(f'--{k} applies to --method lopd only, not {a.method}')
+    if a.allow_same_task and not METHODS[a.method].bank:
+        die(f'--allow_same_task applies to the methods with an experience bank (lopd, trajtext), not {a.method}')
+    if a.model and a.model.startswith(('.', '/', '~')) and not os.path.isdir(os.path.expanduser(a.model)):
+        die(f'--model {a.model}: no such folder')
+    if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
+        die(f'--out_dir {a.out_dir} is a file, not a folder')
 
 
 # ----------------------------------------------------------------------------- tokens of an episode
@@ -470,21 +494,32 @@ def write_back(run, eps):
                   for e in eps])
 
 
+class Diverged(Exception):
+    """Too many updates in a row were skipped for non-finite numbers (--max_skips)."""
+
+
 def optimizer_step(run, opt, loss, module):
-    """One update, skipped (and counted) if the loss or a gradient is not finite."""
+    """One update, skipped (counted, logged) if the loss or a gradient is not finite, so a
+    NaN never reaches the weights; --max_skips skips in a row stop the run."""
     opt.zero_grad(set_to_none=True)
     if not loss.requires_grad:  # nothing this step depends on the parameters (e.g. nothing retrieved)
         return
-    if not torch.isfinite(loss):
-        run.log['skipped'].append(1)
-        return
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-    if not torch.isfinite(norm):
-        run.log['skipped'].append(1)
+    if module is run.model and run.step + 1 in run.nan_steps:  # test hook: --inject_nan
+        loss = loss * float('nan')
+    if torch.isfinite(loss):
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        if torch.isfinite(norm):
+            opt.step()
+            run.skips_in_a_row = 0
+            return
         opt.zero_grad(set_to_none=True)
-        return
-    opt.step()
+    run.log['skipped'].append(1)
+    run.skips_in_a_row += 1
+    print(f'step {run.step + 1}: non-finite {"loss" if not torch.isfinite(loss) else "gradient"}, update skipped', file=sys.stderr)
+    if run.skips_in_a_row >= run.args.max_skips:
+        raise Diverged(f'{run.skips_in_a_row} updates in a row had a non-finite loss or gradient; '
+                       f'none reached the weights: lower --lr or look at the inputs of these steps')
 
 
 def train_step(run):
@@ -659,8 +694,16 @@ class Run:
         self.step, self.episodes, self.beta, self.metrics, self.wall = 0, 0, 0.0, [], 0.0
         self.times = {k: 0.0 for k in ['warmup', 'rollout', 'teacher', 'student', 'composer', 'cold_start', 'eval']}
         self.log = {k: [] for k in ['loss', 'reward', 'delta', 'anchor', 'family_hit', 'skipped']}
+        self.skips_in_a_row = 0
+        self.nan_steps = {int(x) for x in args.inject_nan.split(',') if x.strip()}
+        # bf16 autocast only where the device supports it; the losses are computed in fp32 (lopd._f32)
+        bf16 = args.dtype == 'bf16' or (args.dtype == 'auto' and self.device.type == 'cuda' and torch.cuda.is_bf16_supported())
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.rng = random.Random(args.seed)
         self.dir = os.path.join(args.out_dir, args.name)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
     @contextlib.contextmanager
     def timer(self, key):
@@ -695,7 +738,10 @@ def save_checkpoint(run):
     state = {'args': dataclasses.asdict(run.args), 'step': run.step, 'episodes': run.episodes, 'beta': run.beta,
              'metrics': run.metrics, 'times': run.times, 'model': run.model.state_dict(),
              'opt': run.opt.state_dict(), 'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(),
-             'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0}
+             'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0,
+             'log': run.log, 'skips_in_a_row': run.skips_in_a_row}
+    if run.device.type == 'cuda':
+        state.update(cuda_rng=torch.cuda.get_rng_state(run.device))
     state.update(skills=run.skills, ucb=run.ucb)
     if run.teacher_kind == 'ema':
         state.update(ema=run.teacher.state_dict())
@@ -722,13 +768,22 @@ def load_checkpoint(run, path):
             run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
             run.composer0.load_state_dict(state['composer0'])
             run.opt_phi.load_state_dict(state['opt_phi'])
-    except Exception as e:  # corrupt file, or a checkpoint of another config
-        die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
-    run.step, run.episodes, run.beta = state['step'], state['episodes'], state['beta']
-    run.metrics, run.times, run.wall = state['metrics'], state['times'], state['wall']
-    run.rng.setstate(state['rng'])
-    torch.set_rng_state(state['torch_rng'])
-    np.random.set_state(state['np_rng'])
+        run.step, run.episodes, run.beta = state['step'], state['episodes'], state['beta']
+        run.metrics, run.times, run.wall = state['metrics'], state['times'], state['wall']
+        run.log, run.skips_in_a_row = state['log'], state['skips_in_a_row']
+        run.rng.setstate(state['rng'])
+        torch.set_rng_state(state['torch_rng'].cpu())
+        np.random.set_state(state['np_rng'])
+        if 'cuda_rng' in state and run.device.type == 'cuda':
+            torch.cuda.set_rng_state(state['cuda_rng'].cpu(), run.device)
+    except Exception as e:  # corrupt file, a missing entry, or weights of another shape
+        msg = ' '.join(str(e).split())  # load_state_dict says what mismatches on its 2nd line
+        die(f'cannot resume from {path}: {type(e).__name__}: {msg[:300]}')
+    # the metrics log is rewritten from the checkpoint: evals written after it (a run
+    # killed between an eval and its checkpoint) are dropped, as they will be redone
+    with open(os.path.join(run.dir, 'metrics.jsonl.tmp'), 'w') as f:
+        f.writelines(json.dumps(m) + '\n' for m in run.metrics)
+    os.replace(os.path.join(run.dir, 'metrics.jsonl.tmp'), os.path.join(run.dir, 'metrics.jsonl'))
 
 
 def plot(run):
@@ -744,7 +799,8 @@ def plot(run):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(run.dir, 'curve.png'), dpi=100)
+    fig.savefig(os.path.join(run.dir, 'curve.png.tmp'), dpi=100, format='png')
+    os.replace(os.path.join(run.dir, 'curve.png.tmp'), os.path.join(run.dir, 'curve.png'))
     plt.close(fig)
 
 
@@ -768,19 +824,43 @@ def record_eval(run):
 
 # ----------------------------------------------------------------------------- main
 
+RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips')  # what --resume may change
+
+
+def fail(msg):
+    """A run that cannot go on (not a bad argument): one line, exit status 1."""
+    print(f'train.py: {msg}', file=sys.stderr)
+    sys.exit(1)
+
+
+def self_signal(run):
+    """Test hook for the resume tests: TRAIN_SELF_SIGNAL=<step>:<KILL|TERM> sends this process
+    that signal right after that step, i.e. between two checkpoints."""
+    at = os.environ.get('TRAIN_SELF_SIGNAL', '')
+    if at and at.split(':')[0] == str(run.step):
+        os.kill(os.getpid(), getattr(signal, 'SIG' + at.split(':')[1]))
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.resume:  # the saved config wins; only the budget may be raised
+    if args.resume:  # the saved config wins; only the budget (and where it runs) may change
         path = os.path.join(args.resume, 'ckpt.pt') if os.path.isdir(args.resume) else args.resume
         if not os.path.isfile(path):
             die(f'--resume: no checkpoint at {path}')
         try:
             saved = torch.load(path, map_location='cpu', weights_only=False)['args']
+            saved = {k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Args)}}
         except Exception as e:
             die(f'cannot resume from {path}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}')
+        given = {a[2:].split('=')[0] for a in argv if a.startswith('--')}
+        changed = [k for k in given if k not in RESUMABLE + ('out_dir', 'name') and getattr(args, k) != saved.get(k)]
+        if changed:
+            die(f'--resume continues the saved config; --{changed[0]} cannot be changed (only --{", --".join(RESUMABLE[1:])})')
         run_dir = os.path.dirname(os.path.abspath(path))  # the folder resumed is the one written, even if moved
-        args = Args(**{**saved, 'episodes': max(saved['episodes'], args.episodes), 'resume': path,
-                       'out_dir': os.path.dirname(run_dir), 'name': os.path.basename(run_dir)})
+        args = Args(**{**saved, 'resume': path, 'out_dir': os.path.dirname(run_dir), 'name': os.path.basename(run_dir),
+                       **{k: getattr(args, k) for k in RESUMABLE[2:] if k in given},
+                       'episodes': max(saved['episodes'], args.episodes) if 'episodes' in given else saved['episodes']})
     args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
     print(json.dumps(dataclasses.asdict(args)))
     random.seed(args.seed)
@@ -788,6 +868,47 @@ def main(argv=None):
     t0 = time.time()
     run = Run(args)
     run.t0 = t0
+    # SIGTERM and a first Ctrl-C finish the current step, save a checkpoint and exit; a
+    # second Ctrl-C leaves at once (the last checkpoint stays)
+    stop = {'now': False}
+    def on_signal(sig, frame):
+        if stop['now'] and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop['now'] = True
+        print('\nstopping after this step (Ctrl-C again: at once, without saving)', file=sys.stderr)
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train(run, stop)
+    except KeyboardInterrupt:
+        fail(f'interrupted; the last checkpoint is in {run.dir}/ (continue with --resume {run.dir})')
+    except Diverged as e:
+        fail(f'stopped in step {run.step + 1}: {e}; the last checkpoint is in {run.dir}/')
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if 'out of memory' not in str(e).lower():
+            raise
+        fail(f'out of memory on {run.device}: lower --batch (now {args.batch}) or --eval_tasks (now {args.eval_tasks}), '
+             f'or pick a smaller --model; the last checkpoint is in {run.dir}/')
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    if stop['now']:
+        print(f'interrupted at step {run.step}; checkpoint saved; continue with --resume {run.dir}')
+        sys.exit(130)
+    base, final = run.metrics[0]['success'], run.metrics[-1]['success']
+    wall = run.wall + time.time() - t0
+    summary = {'method': args.method, 'env': args.env, 'seed': args.seed, 'episodes': run.episodes,
+               'base_success': base, 'final_success': final, 'best_success': max(m['success'] for m in run.metrics),
+               'teacher_success': run.metrics[-1].get('teacher_success'), 'wall_seconds': round(wall, 1),
+               'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped'])}
+    atomic_json(summary, os.path.join(run.dir, 'summary.json'))
+    split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
+    print(f"{args.name}: held-out success {base:.3f} -> {final:.3f} after {run.episodes} episodes "
+          f"in {wall:.0f}s ({split}); outputs in {run.dir}/")
+
+
+def train(run, stop):
+    """Build (or resume) everything, then train until the budget is spent or stop['now']."""
+    args = run.args
     os.makedirs(run.dir, exist_ok=True)
     run.env = envs.make_env(args.env)
     run.tok, run.model = M.load(args.model or None, args.d_model, args.n_layer)
@@ -816,43 +937,34 @@ def main(argv=None):
     else:
         open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
         atomic_json(dataclasses.asdict(args), os.path.join(run.dir, 'config.json'))
-        m = record_eval(run)
-        print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
-        if run.method.bank:
-            cold_start(run)
-    stop = {'now': False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))          # finish the step, save, exit
+        with run.autocast():
+            m = record_eval(run)
+            print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
+            if run.method.bank:
+                cold_start(run)
+        save_checkpoint(run)  # a run killed from here on can be resumed
     bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes', dynamic_ncols=True)
-    try:
-        while run.episodes < args.episodes and not stop['now']:
-            before = run.episodes
+    while run.episodes < args.episodes and not stop['now']:
+        before = run.episodes
+        with run.autocast():
             train_step(run)
-            bar.update(run.episodes - before)
-            if run.step % args.eval_every == 0 or run.episodes >= args.episodes:
+        bar.update(run.episodes - before)
+        if run.step % args.eval_every == 0 or run.episodes >= args.episodes:
+            with run.autocast():
                 m = record_eval(run)
-                bar.set_postfix(success=f"{m['success']:.3f}", **({'beta': f'{run.beta:.2f}'} if args.method == 'lopd' else {}))
-                save_checkpoint(run)
-                plot(run)
-    except KeyboardInterrupt:
-        stop['now'] = True
+            bar.set_postfix(success=f"{m['success']:.3f}", **({'beta': f'{run.beta:.2f}'} if args.method == 'lopd' else {}))
+            save_checkpoint(run)
+            plot(run)
+        self_signal(run)
     bar.close()
-    save_checkpoint(run)
     if stop['now']:
-        print(f'interrupted at step {run.step}; checkpoint saved; continue with --resume {run.dir}')
-        sys.exit(130)
+        save_checkpoint(run)
+        return
     if run.metrics[-1]['step'] != run.step:
-        record_eval(run)
+        with run.autocast():
+            record_eval(run)
+    save_checkpoint(run)
     plot(run)
-    base, final = run.metrics[0]['success'], run.metrics[-1]['success']
-    wall = run.wall + time.time() - t0
-    summary = {'method': args.method, 'env': args.env, 'seed': args.seed, 'episodes': run.episodes,
-               'base_success': base, 'final_success': final, 'best_success': max(m['success'] for m in run.metrics),
-               'teacher_success': run.metrics[-1].get('teacher_success'), 'wall_seconds': round(wall, 1),
-               'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped'])}
-    atomic_json(summary, os.path.join(run.dir, 'summary.json'))
-    split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
-    print(f"{args.name}: held-out success {base:.3f} -> {final:.3f} after {run.episodes} episodes "
-          f"in {wall:.0f}s ({split}); outputs in {run.dir}/")
 
 
 if __name__ == '__main__':

@@ -1,0 +1,213 @@
+"""Reliability (issue 6): a run killed between checkpoints (SIGKILL) or stopped by SIGTERM and
+then resumed ends with exactly the metrics of an uninterrupted run; injected NaNs are skipped
+and counted and never reach the weights; repeated skips stop the run; an out-of-memory
+error names the knobs; a changed flag on --resume and a mismatched checkpoint are one line.
+
+The kills come from the test hook TRAIN_SELF_SIGNAL=<step>:<KILL|TERM> (train.self_signal),
+so they land at a known step between two checkpoints, not at a time that depends on the
+machine's speed."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+torch.set_num_threads(1)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8", "--init_episodes", "16",
+        "--cold_start_steps", "2", "--eval_every", "2", "--eval_tasks", "24", "--teacher_eval", "8",
+        "--d_model", "32", "--n_layer", "1"]
+# LOPD holds the most state (composer, φ's optimizer, β, the bank); 16 bank-filling
+# episodes + 6 steps of 16, checkpoints at steps 0, 2, 4, 6
+RUN = [*TINY, "--method", "lopd", "--episodes", "112"]
+
+
+def launch(args, out_dir, name, signal_at=None):
+    env = {**ENV, **({"TRAIN_SELF_SIGNAL": signal_at} if signal_at else {})}
+    log = open(out_dir / f"{name}.log", "w")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return p
+
+
+def wait(p, out_dir, name):
+    p.wait(timeout=300)
+    return p.returncode, (out_dir / f"{name}.log").read_text()
+
+
+def metrics(run_dir):
+    """Every eval record minus its wall-clock times (the only thing a resume may change)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("times")
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted run, one SIGKILLed after step 3 and one SIGTERMed after step 3, each
+    interrupted one then resumed. -> (out_dir, {name: (exit status, log)})."""
+    out = tmp_path_factory.mktemp("resume")
+    res = {}
+    p = launch([*RUN, "--out_dir", str(out), "--name", "whole"], out, "whole")  # builds the warm-up cache
+    res["whole"] = wait(p, out, "whole")
+    cut = {n: launch([*RUN, "--out_dir", str(out), "--name", n], out, n, f"3:{n.upper()}") for n in ("kill", "term")}
+    for n, p in cut.items():
+        res[n] = wait(p, out, n)
+    again = {n: launch(["--resume", str(out / n)], out, n + "-resumed") for n in ("kill", "term")}
+    for n, p in again.items():
+        res[n + "-resumed"] = wait(p, out, n + "-resumed")
+    return out, res
+
+
+def test_the_interruptions_happened_where_asked(runs):
+    out, res = runs
+    assert res["whole"][0] == 0, res["whole"][1][-3000:]
+    assert res["kill"][0] == -signal.SIGKILL
+    assert res["term"][0] == 130 and "interrupted at step 3; checkpoint saved" in res["term"][1]
+    # SIGKILL saves nothing: the last checkpoint is step 2's; SIGTERM saved step 3 first
+    assert "resumed at step 2, 48 episodes" in res["kill-resumed"][1], res["kill-resumed"][1][-3000:]
+    assert "resumed at step 3, 64 episodes" in res["term-resumed"][1], res["term-resumed"][1][-3000:]
+
+
+@pytest.mark.parametrize("name", ["kill", "term"])
+def test_a_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(runs, name):
+    out, res = runs
+    rc, log = res[name + "-resumed"]
+    assert rc == 0, log[-3000:]
+    whole, resumed = metrics(out / "whole"), metrics(out / name)
+    assert [m["step"] for m in whole] == [0, 2, 4, 6]
+    assert resumed == whole  # success, teacher success, loss, β, Δ, anchor, ... to the last digit
+    s_whole = json.loads((out / "whole" / "summary.json").read_text())
+    s_resumed = json.loads((out / name / "summary.json").read_text())
+    for k in ["final_success", "best_success", "teacher_success", "episodes", "skipped_updates"]:
+        assert s_resumed[k] == s_whole[k], k
+    a = torch.load(out / "whole" / "ckpt.pt", map_location="cpu", weights_only=False)
+    b = torch.load(out / name / "ckpt.pt", map_location="cpu", weights_only=False)
+    for part in ["model", "composer"]:
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    assert a["beta"] == b["beta"] and a["bank"] == b["bank"]
+
+
+def test_resume_refuses_a_changed_flag(runs, capsys):
+    out, _ = runs
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", str(out / "whole"), "--lr", "0.1"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--lr" in lines[0] and "--resume" in lines[0], lines
+
+
+def test_a_mismatched_checkpoint_is_one_line_naming_file_and_mismatch(runs, tmp_path, capsys):
+    out, _ = runs
+    state = torch.load(out / "whole" / "ckpt.pt", map_location="cpu", weights_only=False)
+    state["args"]["d_model"] = 64  # the weights inside are 32 wide
+    (tmp_path / "r").mkdir()
+    torch.save(state, tmp_path / "r" / "ckpt.pt")
+    for f in out.glob("warmup-*.pt"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", str(tmp_path / "r")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (after the warm-up's progress bar)
+    assert "Traceback" not in err and str(tmp_path / "r" / "ckpt.pt") in last and "size mismatch" in last, last
+
+
+# ----------------------------------------------------------------------------- numerical guards
+
+GRPO = [*TINY, "--method", "grpo", "--episodes", "96"]  # 6 steps of 16
+
+
+def finite(run_dir):
+    state = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+    return all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_injected_nans_are_skipped_and_counted(tmp_path, capsys):
+    train.main([*GRPO, "--out_dir", str(tmp_path), "--inject_nan", "2,5"])
+    run = tmp_path / "grpo-tooluse-s0"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["skipped_updates"] == 2
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [0, 1, 1, 2]  # cumulative, at steps 0, 2, 4, 6
+    assert finite(run)
+    assert capsys.readouterr().err.count("non-finite loss, update skipped") == 2
+
+
+def test_repeated_skips_stop_the_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main([*GRPO, "--out_dir", str(tmp_path), "--inject_nan", "2,3,4", "--max_skips", "3"])
+    assert e.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stopped in step 4" in last and "3 updates in a row" in last and "--lr" in last, last
+    assert finite(tmp_path / "grpo-tooluse-s0")  # the checkpoint it leaves holds the last finite weights
+
+
+class FakeRun:
+    def __init__(self, model):
+        self.model, self.step, self.nan_steps, self.skips_in_a_row = model, 0, set(), 0
+        self.log = {"skipped": []}
+        self.args = train.Args()
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped():
+    model = torch.nn.Linear(2, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = FakeRun(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.zeros(1, 2)
+    loss = torch.sqrt(model(x).abs() * 0)[0, 0]  # = 0, but d sqrt(u)/du at 0 is inf
+    assert math.isfinite(loss.item())
+    train.optimizer_step(run, opt, loss, model)
+    assert run.log["skipped"] == [1]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    train.optimizer_step(run, opt, (model(x + 1) ** 2).sum(), model)  # a good step goes through
+    assert run.log["skipped"] == [1] and run.skips_in_a_row == 0
+    assert not torch.equal(before["bias"], model.state_dict()["bias"])
+
+
+def test_out_of_memory_names_the_knobs(tmp_path, capsys, monkeypatch):
+    def oom(run):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(train, "train_step", oom)
+    with pytest.raises(SystemExit) as e:
+        train.main([*GRPO, "--out_dir", str(tmp_path)])
+    assert e.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "out of memory" in lines[-1] and "--batch" in lines[-1] and "Traceback" not in "\n".join(lines)
+
+
+def test_bf16_autocast_runs_and_stays_finite(tmp_path):
+    """--dtype bf16 exercises the autocast path (CPU supports bf16 autocast); the losses are fp32."""
+    train.main([*GRPO, "--out_dir", str(tmp_path), "--dtype", "bf16", "--episodes", "32"])
+    summary = json.loads((tmp_path / "grpo-tooluse-s0" / "summary.json").read_text())
+    assert summary["skipped_updates"] == 0 and 0 <= summary["final_success"] <= 1
+    assert finite(tmp_path / "grpo-tooluse-s0")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--dtype", "fp16"], ["--dtype", "fp16"]),
+    (["--frozen_composer", "--method", "grpo"], ["--frozen_composer", "lopd"]),
+    (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
+    (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
+    (["--inject_nan", "two"], ["--inject_nan", "two"]),
+    (["--max_skips", "0"], ["--max_skips"]),
+])
+def test_incompatible_or_bad_flags_are_one_line(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and all(w in lines[0] for w in words), err
