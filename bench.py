@@ -60,7 +60,7 @@ QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--cold_start_steps'
 # it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
 DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
 TUNE = {
-    'lopd':     [[], ['--margin', '0.02'], ['--margin', '0.1']],
+    'lopd':     DISTILL_LR,
     'grpo':     [[], ['--lr', '3e-5'], ['--lr', '3e-4']],
     'opsd':     DISTILL_LR,
     'sdpo':     [[], ['--lr', '3e-4'], ['--ema_rate', '0.01']],

@@ -723,15 +723,18 @@ def pick_device(name):
 
 
 def atomic_save(obj, path):
-    """Write to a temp file and rename: a kill mid-write never leaves a corrupt file."""
-    torch.save(obj, path + '.tmp')
-    os.replace(path + '.tmp', path)
+    """Write to a temp file and rename: a kill mid-write never leaves a corrupt file (the
+    temp name is per process, so two runs building the same warm-up cannot tear it)."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def atomic_json(obj, path):
-    with open(path + '.tmp', 'w') as f:
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as f:
         json.dump(obj, f, indent=2)
-    os.replace(path + '.tmp', path)
+    os.replace(tmp, path)
 
 
 def save_checkpoint(run):

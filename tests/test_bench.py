@@ -113,10 +113,10 @@ def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
 def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypatch):
     out, calls = str(tmp_path), []
 
-    def launch(cmd, log_path, env, warm=None):  # the larger margin / lr wins; ties keep the default
+    def launch(cmd, log_path, env, warm=None):  # lopd: lr 3e-3 wins, grpo: lr 3e-4; ties keep the default
         calls.append(cmd)
         name = cmd[cmd.index("--name") + 1]
-        good = "margin0.1" in name or "lr3e-4" in name
+        good = ("lopd" in name and "lr3e-3" in name) or ("grpo" in name and "lr3e-4" in name)
         fake_run(f"{out}/{name}", "x", int(name[-1]), [0, 32, 64], [0.5, 0.6, 0.7 if good else 0.5])
         return 0
 
@@ -124,15 +124,16 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         bench.main(["--tune", "--methods", "lopd,grpo,lopd-m0", "--out_dir", out, "--episodes", "64"])
     assert len(calls) == 6 and all(c[c.index("--seed") + 1] == "0" for c in calls)  # 3 settings each, seed 0
-    assert "tune-lopd-tooluse-e64-margin0.1-s0" in [c[c.index("--name") + 1] for c in calls]
+    assert "tune-lopd-tooluse-e64-lr3e-3-s0" in [c[c.index("--name") + 1] for c in calls]
     tuning = json.load(open(f"{out}/compare-tooluse/tuning.json"))
-    assert tuning["lopd"]["flags"] == ["--margin", "0.1"] and tuning["grpo"]["flags"] == ["--lr", "3e-4"]
+    assert tuning["lopd"]["flags"] == ["--lr", "3e-3"] and tuning["grpo"]["flags"] == ["--lr", "3e-4"]
     assert "✓" in open(f"{out}/compare-tooluse/tuning.md").read()
     calls.clear()
     with pytest.raises(SystemExit):
         bench.main(["--methods", "lopd,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
     lo, m0 = calls
-    assert lo[lo.index("--margin") + 1] == "0.1" and "-e64-" in lo[lo.index("--name") + 1]
+    assert lo[lo.index("--lr") + 1] == "3e-3" and "-e64-" in lo[lo.index("--name") + 1]
+    assert m0[m0.index("--lr") + 1] == "3e-3"  # an ablation takes its method's tuned flags
     assert m0[len(m0) - 1 - m0[::-1].index("--margin") + 1] == "0"  # the ablation's own flag comes last, so it holds
     assert lo[lo.index("--name") + 1] != "cmp-lopd-tooluse-e64-s1"  # tuned runs are not the untuned ones
 
