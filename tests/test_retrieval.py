@@ -145,7 +145,7 @@ def test_capacity_fifo_keeps_newest(embed):
     assert len(bank) == 5 and bank.emb.shape[0] == 5
     assert [e.task_id for e in bank.exps] == [f"t{i}" for i in range(4, 9)]
     # the surviving rows are still the embeddings of the surviving experiences
-    np.testing.assert_allclose(bank.emb, embed([f"{e.task}\n{e.text}" for e in bank.exps]))
+    np.testing.assert_allclose(bank.emb, embed([bank.document(e) for e in bank.exps]))
 
 
 def test_state_dict_is_weights_only_safe(embed):
