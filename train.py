@@ -600,7 +600,7 @@ def warmup_loss(model, tok, demos, contexts, device):
 
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method."""
-    key = json.dumps(['v4', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch, args.warmup_ctx,
+    key = json.dumps(['v5', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch, args.warmup_ctx,
                       args.warmup_lr, M.SPECIALS, MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     if os.path.exists(path):
@@ -653,6 +653,7 @@ def cold_start(run):
             optimizer_step(run, opt, loss, run.composer)
         bar.set_postfix(nll=f'{loss.item():.3f}')
     run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
+    run.log['family_hit'] = []  # the training steps' retrievals only, not the cold start's
 
 
 @torch.no_grad()
@@ -790,11 +791,10 @@ def load_checkpoint(run, path):
 
 
 def plot(run):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
     x = [m['episodes'] for m in run.metrics]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(x, [m['success'] for m in run.metrics], 'o-', label=f'{run.args.method} student (greedy)')
     if any('teacher_success' in m for m in run.metrics):
         ax.plot(x, [m.get('teacher_success', np.nan) for m in run.metrics], 's--', alpha=0.6, label='teacher with context')
@@ -804,7 +804,6 @@ def plot(run):
     fig.tight_layout()
     fig.savefig(os.path.join(run.dir, 'curve.png.tmp'), dpi=100, format='png')
     os.replace(os.path.join(run.dir, 'curve.png.tmp'), os.path.join(run.dir, 'curve.png'))
-    plt.close(fig)
 
 
 def record_eval(run):
@@ -875,14 +874,16 @@ def main(argv=None):
     # second Ctrl-C leaves at once (the last checkpoint stays)
     stop = {'now': False}
     def on_signal(sig, frame):
-        if stop['now'] and sig == signal.SIGINT:
-            raise KeyboardInterrupt
+        if not stop.get('training') or (stop['now'] and sig == signal.SIGINT):
+            raise KeyboardInterrupt  # warm-up, cold start (nothing to save yet) or a second Ctrl-C
         stop['now'] = True
         print('\nstopping after this step (Ctrl-C again: at once, without saving)', file=sys.stderr)
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         train(run, stop)
     except KeyboardInterrupt:
+        if not os.path.isfile(os.path.join(run.dir, 'ckpt.pt')):
+            fail('interrupted before the first checkpoint (written once the cold start is done); nothing to resume')
         fail(f'interrupted; the last checkpoint is in {run.dir}/ (continue with --resume {run.dir})')
     except Diverged as e:
         fail(f'stopped in step {run.step + 1}: {e}; the last checkpoint is in {run.dir}/')
@@ -914,6 +915,7 @@ def train(run, stop):
     args = run.args
     os.makedirs(run.dir, exist_ok=True)
     run.env = envs.make_env(args.env)
+    torch.manual_seed(1234)  # the tiny model's init, so that a warm-up built anywhere is the same base
     run.tok, run.model = M.load(args.model or None, args.d_model, args.n_layer)
     run.model.to(run.device)
     with run.timer('warmup'):
@@ -946,6 +948,7 @@ def train(run, stop):
             if run.method.bank:
                 cold_start(run)
         save_checkpoint(run)  # a run killed from here on can be resumed
+    stop['training'] = True
     bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes', dynamic_ncols=True)
     while run.episodes < args.episodes and not stop['now']:
         before = run.episodes
