@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -110,7 +111,12 @@ def plan(prefix, entry, own, flags, env, seed, label=''):
 
 
 def status(run_dir, budget):
-    """'done' (summary.json at the budget), 'resume' (a checkpoint to continue) or 'new'."""
+    """'done' (summary.json at the budget), 'resume' (a checkpoint to continue), 'new', or
+    'stale' (made by other code: train.CODE differs; it is run again from scratch)."""
+    import train
+    cfg = read_json(os.path.join(run_dir, 'config.json'))
+    if cfg is not None and cfg.get('code') != train.CODE:
+        return 'stale'
     s = read_json(os.path.join(run_dir, 'summary.json'))
     if s and s.get('episodes', 0) >= budget:
         return 'done'
@@ -145,6 +151,8 @@ def run_all(runs, out_dir, log_dir, jobs):
     def one(item, warm=None):
         r, s = item
         d = os.path.join(out_dir, r['name'])
+        if s == 'stale':
+            shutil.rmtree(d)
         cmd = [sys.executable, os.path.join(ROOT, 'train.py')]
         cmd += (['--resume', d, '--episodes', str(r['budget'])] if s == 'resume' else
                 r['flags'] + ['--seed', str(r['seed']), '--name', r['name'], '--out_dir', out_dir])

@@ -47,6 +47,10 @@ import model as M
 import retrieval
 
 MAX_OBS_CHARS = 100  # observations are cut to this many characters before tokenizing
+# a fingerprint of the code that produced a run (config.json, summary.json, ckpt.pt): a
+# compare reuses a finished run only if the code is the same (bench.py)
+CODE = hashlib.sha1(b''.join(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f), 'rb').read()
+                             for f in ['train.py', 'lopd.py', 'envs.py', 'model.py', 'retrieval.py'])).hexdigest()[:10]
 
 
 def arg(default, help):
@@ -743,7 +747,7 @@ def save_checkpoint(run):
              'metrics': run.metrics, 'times': run.times, 'model': run.model.state_dict(),
              'opt': run.opt.state_dict(), 'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(),
              'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0,
-             'log': run.log, 'skips_in_a_row': run.skips_in_a_row}
+             'log': run.log, 'skips_in_a_row': run.skips_in_a_row, 'code': CODE}
     if run.device.type == 'cuda':
         state.update(cuda_rng=torch.cuda.get_rng_state(run.device))
     state.update(skills=run.skills, ucb=run.ucb)
@@ -903,7 +907,8 @@ def main(argv=None):
     summary = {'method': args.method, 'env': args.env, 'seed': args.seed, 'episodes': run.episodes,
                'base_success': base, 'final_success': final, 'best_success': max(m['success'] for m in run.metrics),
                'teacher_success': run.metrics[-1].get('teacher_success'), 'wall_seconds': round(wall, 1),
-               'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped'])}
+               'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped']),
+               'code': CODE}
     atomic_json(summary, os.path.join(run.dir, 'summary.json'))
     split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
     print(f"{args.name}: held-out success {base:.3f} -> {final:.3f} after {run.episodes} episodes "
@@ -941,7 +946,7 @@ def train(run, stop):
         print(f'resumed at step {run.step}, {run.episodes} episodes')
     else:
         open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
-        atomic_json(dataclasses.asdict(args), os.path.join(run.dir, 'config.json'))
+        atomic_json({**dataclasses.asdict(args), 'code': CODE}, os.path.join(run.dir, 'config.json'))
         with run.autocast():
             m = record_eval(run)
             print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))

@@ -12,17 +12,18 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+import train  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = ["--episodes", "64", "--batch", "16", "--warmup_steps", "10", "--init_episodes", "16", "--cold_start_steps", "2",
         "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8", "--d_model", "32", "--n_layer", "1"]
 
 
-def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False):
+def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None):
     """A run folder as train.py leaves it: config.json, metrics.jsonl, summary.json."""
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"method": method, "seed": seed}, f)
+        json.dump({"method": method, "seed": seed, "code": code or train.CODE}, f)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, (x, y) in enumerate(zip(xs, ys)):
             m = {"success": y, "episodes": x, "step": i, "beta": 0.1 * i, "delta": delta, "loss": None}
@@ -174,3 +175,21 @@ def test_end_to_end_tiny_bench(tmp_path):
     assert len(logs) == 2 and all(n.startswith("cmp-") and n.endswith("-s1.log") for n in logs)
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("bench: 2 runs (2 launched, 0 failed)") and "results.md" in last
+
+
+def test_a_run_made_by_other_code_is_stale_and_run_again(tmp_path, monkeypatch):
+    out, calls = str(tmp_path), []
+    fake_run(f"{out}/cmp-grpo-tooluse-e64-s1", "grpo", 1, [0, 64], [0.5, 0.6], code="0ldc0de000")
+    assert bench.status(f"{out}/cmp-grpo-tooluse-e64-s1", 64) == "stale"
+    fake_run(f"{out}/cmp-grpo-tooluse-e64-s2", "grpo", 2, [0, 64], [0.5, 0.6])
+    assert bench.status(f"{out}/cmp-grpo-tooluse-e64-s2", 64) == "done"
+
+    def launch(cmd, log_path, env, warm=None):
+        calls.append(cmd)
+        assert not os.path.exists(f"{out}/cmp-grpo-tooluse-e64-s1")  # the stale folder is gone first
+        fake_run(f"{out}/cmp-grpo-tooluse-e64-s1", "grpo", 1, [0, 64], [0.5, 0.7])
+        return 0
+    monkeypatch.setattr(bench, "launch", launch)
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "grpo", "--seeds", "1,2", "--out_dir", out, "--episodes", "64"])
+    assert len(calls) == 1 and "--resume" not in calls[0]
