@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,14 +124,19 @@ def status(run_dir, budget):
     return 'resume' if os.path.isfile(os.path.join(run_dir, 'ckpt.pt')) else 'new'
 
 
+def warm_done(log):
+    return re.search(r'^warm-up: (cached )?.+\.pt$', log, re.M) is not None
+
+
 def launch(cmd, log_path, env, warm=None):
     """Run one train.py to the end, its stdout and stderr appended to log_path (a resumed run
-    keeps its history) -> exit status. With `warm`, set it once the log has a 'warm-up:' line
-    (train.py prints it once the base is built and cached, or loaded)."""
+    keeps its history) -> exit status. With `warm`, set it once the log has train.py's line
+    'warm-up: [cached ]<path>.pt' (printed once the base is built and cached, or loaded; the
+    warm-up's progress bar also starts with 'warm-up:', hence the regex)."""
     with open(log_path, 'a') as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if warm is not None:
-        while p.poll() is None and 'warm-up:' not in open(log_path, errors='replace').read():
+        while p.poll() is None and not warm_done(open(log_path, errors='replace').read()):
             time.sleep(1)
         warm.set()
     return p.wait()

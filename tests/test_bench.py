@@ -193,3 +193,9 @@ def test_a_run_made_by_other_code_is_stale_and_run_again(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["--methods", "grpo", "--seeds", "1,2", "--out_dir", out, "--episodes", "64"])
     assert len(calls) == 1 and "--resume" not in calls[0]
+
+
+def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
+    assert not bench.warm_done("warm-up:   0%|          | 0/250 [00:00<?, ?it/s]")
+    assert bench.warm_done("warm-up:  12%| 30/250\nwarm-up: runs/warmup-tooluse-0123456789.pt\n")
+    assert bench.warm_done("warm-up: cached /tmp/x y/warmup-codegen-0123456789.pt")
