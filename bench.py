@@ -281,7 +281,7 @@ def write_results(cmp_dir, results, meta, target):
     reach = lambda r: ('n/a (no grpo)' if target is None else 'not reached' if r['episodes_to_grpo_final'] is None
                        else str(r['episodes_to_grpo_final']))
     md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
-          f"`{meta['command']}` at commit {meta['commit']}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. GRPO's final mean success (the target of "
           f"\"episodes to GRPO\"): {fmt(target)}. ± is the sample std over seeds; AUC = area under success vs "
           f"episodes / budget.", '',
@@ -387,7 +387,7 @@ def parse(argv):
 
 
 def main(argv=None):
-    t0 = time.time()
+    t0, commit = time.time(), git_commit()  # the code the runs are made with, not what is committed meanwhile
     o = parse(sys.argv[1:] if argv is None else argv)
     out_dir = os.path.abspath(o.out_dir)
     cmp_dir = os.path.join(out_dir, f"compare-{o.env}{'-quick' if o.quick else ''}")  # a quick tuning tunes quick runs
@@ -406,7 +406,7 @@ def main(argv=None):
     launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
     command = 'python bench.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
-            'commit': git_commit(), 'failed': failed}
+            'commit': commit, 'code': train_code(), 'failed': failed}
     if o.tune:
         grid = {}
         for r in runs:
@@ -426,6 +426,11 @@ def main(argv=None):
     print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
           f'table in {os.path.relpath(table)}')
     sys.exit(1 if failed else 0)
+
+
+def train_code():
+    import train
+    return train.CODE
 
 
 def git_commit():
