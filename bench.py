@@ -254,7 +254,14 @@ def summarize(run_dirs, budget):
     diag = {'teacher_success': last('teacher_success'), 'student_success_same_tasks': last('student_success_same_tasks'),
             'delta_mean': avg('delta'), 'anchor_mean': avg('anchor'), 'family_hit_mean': avg('family_hit'),
             'beta_final': last('beta') if any(c.get('method') == 'lopd' for _, c, _ in runs) else None}
+    if all(c.get('method') == 'lopd' for _, c, _ in runs):
+        # LOPD's teacher is θ0: without latents it is the base, i.e. the student of the
+        # first evaluation on the same tasks
+        diag['teacher_without_latents'] = mean_of([ev[0].get('student_success_same_tasks') for _, _, ev in runs])
     row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
+    # per seed, every evaluation's diagnostics: β, Δ, anchor, family hit over time (for a notebook)
+    keys = ['episodes', 'success', 'teacher_success', 'student_success_same_tasks', 'beta', 'delta', 'anchor', 'family_hit']
+    row['evals'] = [[{k: m.get(k) for k in keys} for m in ev] for _, _, ev in runs]
     return row
 
 
@@ -293,10 +300,12 @@ def write_results(cmp_dir, results, meta, target):
                   f"| {e} | {flags} | {len(r['final'])} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | "
                   f"{fmt(r['best_mean'])} | {r['auc_mean']:.3f} | {reach(r)} | {fmt(r['base_mean'])} | "
                   f"{fmt(r['teacher_success'])} | {fmt(r['wall_seconds'], '.0f')} |")
-    md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means):', '',
-           '| entry | teacher (final) | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
-           '|---|---|---|---|---|---|---|']
-    keys = ['teacher_success', 'student_success_same_tasks', 'delta_mean', 'beta_final', 'anchor_mean', 'family_hit_mean']
+    md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means; teacher and student '
+           'on the same first `--teacher_eval` held-out tasks; LOPD\'s teacher without latents = θ0 alone):', '',
+           '| entry | teacher (final) | teacher without latents | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
+           '|---|---|---|---|---|---|---|---|']
+    keys = ['teacher_success', 'teacher_without_latents', 'student_success_same_tasks', 'delta_mean', 'beta_final',
+            'anchor_mean', 'family_hit_mean']
     md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
            for e, r in results.items() if r and r['diagnostics']]
     if meta['failed']:

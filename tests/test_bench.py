@@ -71,6 +71,9 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     assert lo["diagnostics"]["delta_mean"] == pytest.approx(0.3) and lo["diagnostics"]["teacher_success"] == 0.8
     assert lo["diagnostics"]["beta_final"] == pytest.approx(0.2) and "beta_final" not in op["diagnostics"]
     assert "delta_mean" not in g["diagnostics"]
+    # LOPD's teacher without latents is θ0: the first evaluation's student on the same tasks
+    assert lo["diagnostics"]["teacher_without_latents"] == 0.5 and "teacher_without_latents" not in op["diagnostics"]
+    assert [e["beta"] for e in lo["evals"][1]] == pytest.approx([0.0, 0.1, 0.2]) and len(lo["evals"]) == 2
     # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
     assert bench.add_reach(res) == pytest.approx(0.6)
     assert (lo["episodes_to_grpo_final"], g["episodes_to_grpo_final"], op["episodes_to_grpo_final"]) == (256, 1024, None)
