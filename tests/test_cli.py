@@ -124,6 +124,13 @@ def test_help_lists_every_flag(procs):
     (["--J", "0"], ["--J"]),
     (["--device", "tpu"], ["--device", "tpu"]),
     (["--topk", "-3"], ["--topk"]),
+    # incompatible or malformed (issue 6)
+    (["--dtype", "fp16"], ["--dtype", "fp16"]),
+    (["--frozen_composer", "--method", "grpo"], ["--frozen_composer", "lopd"]),
+    (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
+    (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
+    (["--inject_nan", "two"], ["--inject_nan", "two"]),
+    (["--max_skips", "0"], ["--max_skips"]),
 ])
 def test_more_bad_arguments_in_process(capsys, argv, words):
     """The same checks, in-process (no 4 s interpreter start each)."""
