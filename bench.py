@@ -70,6 +70,9 @@ TUNE = {
     'skillsd':  [[], ['--lr', '3e-4'], ['--k3_coef', '0.01']],
     'trajtext': DISTILL_LR,
 }
+# seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
+COST = {'lopd': 670, 'sdft': 630, 'opsd': 550, 'trajtext': 430, 'lopd-m0': 350, 'skillsd': 290,
+        'lopd-frozen': 280, 'sdpo': 220, 'grpo': 160}
 OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
 
 
@@ -104,11 +107,15 @@ def train_args(flags):
 def plan(prefix, entry, own, flags, env, seed, label=''):
     """One run: its name and train.py flags. `own` = the entry's flags, `flags` = everything.
     The name has the budget and, if `flags` change anything beyond `own`, a hash of that."""
-    a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(train_args(flags + ['--env', env]))
+    import train
+    args = train_args(flags + ['--env', env])
+    a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(args)
     diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device'))
     tag = '-' + hashlib.sha1(json.dumps(diff).encode()).hexdigest()[:6] if diff else ''
     name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
-    return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env]}
+    shared = train.METHODS[args.method].bank and train.cold_start_key(dataclasses.replace(args, seed=seed))
+    return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env],
+            'cold_start': shared or None}
 
 
 def status(run_dir, budget):
@@ -124,21 +131,28 @@ def status(run_dir, budget):
     return 'resume' if os.path.isfile(os.path.join(run_dir, 'ckpt.pt')) else 'new'
 
 
-def warm_done(log):
-    return re.search(r'^warm-up: (cached )?.+\.pt$', log, re.M) is not None
+def cached(log, what):
+    """train.py prints '<what>: [cached ]<path>.pt' once the warm-up / cold start is cached or
+    loaded (their progress bars also start with '<what>:', hence the regex)."""
+    return re.search(rf'^{what}: (cached )?.+\.pt$', log, re.M) is not None
 
 
-def launch(cmd, log_path, env, warm=None):
+def launch(cmd, log_path, env, signals=()):
     """Run one train.py to the end, its stdout and stderr appended to log_path (a resumed run
-    keeps its history) -> exit status. With `warm`, set it once the log has train.py's line
-    'warm-up: [cached ]<path>.pt' (printed once the base is built and cached, or loaded; the
-    warm-up's progress bar also starts with 'warm-up:', hence the regex)."""
+    keeps its history) -> exit status. signals: (what, event) pairs, each event set once the
+    log says `what` is cached (or the run ended)."""
     with open(log_path, 'a') as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if warm is not None:
-        while p.poll() is None and not warm_done(open(log_path, errors='replace').read()):
-            time.sleep(1)
-        warm.set()
+    pending = [(w, ev) for w, ev in signals if ev is not None]
+    while pending and p.poll() is None:
+        text = open(log_path, errors='replace').read()
+        for w, ev in pending:
+            if cached(text, w):
+                ev.set()
+        pending = [(w, ev) for w, ev in pending if not ev.is_set()]
+        time.sleep(1)
+    for _, ev in pending:
+        ev.set()
     return p.wait()
 
 
@@ -153,10 +167,23 @@ def run_all(runs, out_dir, log_dir, jobs):
     env = {'OMP_NUM_THREADS': str(max(1, (os.cpu_count() or 1) // jobs)), **os.environ,
            'PYTHONUNBUFFERED': '1', 'TQDM_MININTERVAL': '30'}  # logs: unbuffered, a progress line per 30 s
     bar, lock, running, failed = tqdm(total=len(todo), desc='bench runs', dynamic_ncols=True), threading.Lock(), [], []
+    # longest first, so that the last runs to finish are short ones and no core idles long
+    todo.sort(key=lambda rs: -COST.get(rs[0]['entry'], 0))
+    # runs with the same cold start (LOPD and its ablations, one seed): the first builds it,
+    # the others wait until it is cached (the longest-first order makes that wait rare)
+    builders = {}
 
     def one(item, warm=None):
         r, s = item
         d = os.path.join(out_dir, r['name'])
+        built = waits = None
+        if r['cold_start'] and s != 'resume':
+            with lock:
+                waits = builders.get(r['cold_start'])
+                if waits is None:
+                    builders[r['cold_start']] = built = threading.Event()
+            if waits is not None:
+                waits.wait()
         if s == 'stale':
             shutil.rmtree(d)
         cmd = [sys.executable, os.path.join(ROOT, 'train.py')]
@@ -165,7 +192,11 @@ def run_all(runs, out_dir, log_dir, jobs):
         with lock:
             running.append(r['name'])
             bar.set_postfix_str(', '.join(running))
-        rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, warm)
+        try:
+            rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, [('warm-up', warm), ('cold start', built)])
+        finally:  # a builder that failed releases its waiters too (they build the cold start themselves)
+            if built is not None:
+                built.set()
         with lock:
             running.remove(r['name'])
             failed.extend([r['name']] if rc else [])
@@ -291,7 +322,8 @@ def write_results(cmp_dir, results, meta, target):
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. GRPO's final mean success (the target of "
           f"\"episodes to GRPO\"): {fmt(target)}. ± is the sample std over seeds; AUC = area under success vs "
-          f"episodes / budget.", '',
+          f"episodes / budget. wall s = each run's own seconds on one of the busy cores; runs with one seed's "
+          f"LOPD cold start (lopd, lopd-frozen, lopd-m0) share it: the first builds it, the others load it.", '',
           '| entry | flags | seeds | final success | best | AUC | episodes to GRPO final | base | teacher | wall s |',
           '|---|---|---|---|---|---|---|---|---|---|']
     for e, r in results.items():

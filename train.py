@@ -660,6 +660,44 @@ def cold_start(run):
     run.log['family_hit'] = []  # the training steps' retrievals only, not the cold start's
 
 
+# the flags that act only after the cold start: runs differing in these share one (plus the
+# bookkeeping ones); lr and lr_composer enter the key as the composer's resolved rate
+AFTER_COLD_START = ('episodes', 'eval_every', 'margin', 'lam', 'eta_beta', 'frozen_composer', 'divergence', 'topk',
+                    'ema_rate', 'k3_coef', 'lr', 'lr_composer', 'name', 'out_dir', 'resume', 'max_skips', 'inject_nan')
+
+
+def cold_start_key(args, warm_path=''):
+    """What the cold start depends on: the base, the code, every flag but AFTER_COLD_START."""
+    kept = {k: v for k, v in dataclasses.asdict(args).items() if k not in AFTER_COLD_START}
+    lr_phi = args.lr_composer or args.lr or METHODS[args.method].lr
+    return json.dumps([kept, lr_phi, os.path.basename(warm_path), CODE], sort_keys=True)
+
+
+def cold_start_cached(run, warm_path):
+    """The cold start, cached under out_dir like the warm-up: LOPD and its ablations of one
+    seed (--frozen_composer, --margin 0) differ only after it, so they share one. The cache
+    holds everything the cold start changes, RNG states included, so a run that loads it
+    continues exactly as if it had built it (tests/test_reliability.py)."""
+    a = run.args
+    key = cold_start_key(a, warm_path)
+    path = os.path.join(a.out_dir, f'coldstart-{a.method}-{a.env}-s{a.seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
+    if os.path.exists(path):
+        state = torch.load(path, map_location=run.device, weights_only=False)
+        run.bank.load_state_dict(state['bank'])
+        if a.method == 'lopd':
+            run.composer.load_state_dict(state['composer'])
+            run.composer0 = copy.deepcopy(run.composer).requires_grad_(False)
+        run.episodes, run.log, run.skips_in_a_row = state['episodes'], state['log'], state['skips_in_a_row']
+        set_rng(run, state)
+        print(f'cold start: cached {path}')
+        return
+    cold_start(run)
+    atomic_save({'key': key, 'bank': run.bank.state_dict(), 'episodes': run.episodes, 'log': run.log,
+                 'skips_in_a_row': run.skips_in_a_row, **get_rng(run),
+                 **({'composer': run.composer.state_dict()} if a.method == 'lopd' else {})}, path)
+    print(f'cold start: {path}')
+
+
 @torch.no_grad()
 def evaluate(run):
     """Held-out success: greedy, the student alone, no privileged context. Plus the
@@ -742,14 +780,26 @@ def atomic_json(obj, path):
     os.replace(tmp, path)
 
 
+def get_rng(run):
+    state = {'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(), 'np_rng': np.random.get_state()}
+    if run.device.type == 'cuda':
+        state.update(cuda_rng=torch.cuda.get_rng_state(run.device))
+    return state
+
+
+def set_rng(run, state):
+    run.rng.setstate(state['rng'])
+    torch.set_rng_state(state['torch_rng'].cpu())
+    np.random.set_state(state['np_rng'])
+    if 'cuda_rng' in state and run.device.type == 'cuda':
+        torch.cuda.set_rng_state(state['cuda_rng'].cpu(), run.device)
+
+
 def save_checkpoint(run):
     state = {'args': dataclasses.asdict(run.args), 'step': run.step, 'episodes': run.episodes, 'beta': run.beta,
              'metrics': run.metrics, 'times': run.times, 'model': run.model.state_dict(),
-             'opt': run.opt.state_dict(), 'rng': run.rng.getstate(), 'torch_rng': torch.get_rng_state(),
-             'np_rng': np.random.get_state(), 'wall': run.wall + time.time() - run.t0,
-             'log': run.log, 'skips_in_a_row': run.skips_in_a_row, 'code': CODE}
-    if run.device.type == 'cuda':
-        state.update(cuda_rng=torch.cuda.get_rng_state(run.device))
+             'opt': run.opt.state_dict(), 'wall': run.wall + time.time() - run.t0,
+             'log': run.log, 'skips_in_a_row': run.skips_in_a_row, 'code': CODE, **get_rng(run)}
     state.update(skills=run.skills, ucb=run.ucb)
     if run.teacher_kind == 'ema':
         state.update(ema=run.teacher.state_dict())
@@ -779,11 +829,7 @@ def load_checkpoint(run, path):
         run.step, run.episodes, run.beta = state['step'], state['episodes'], state['beta']
         run.metrics, run.times, run.wall = state['metrics'], state['times'], state['wall']
         run.log, run.skips_in_a_row = state['log'], state['skips_in_a_row']
-        run.rng.setstate(state['rng'])
-        torch.set_rng_state(state['torch_rng'].cpu())
-        np.random.set_state(state['np_rng'])
-        if 'cuda_rng' in state and run.device.type == 'cuda':
-            torch.cuda.set_rng_state(state['cuda_rng'].cpu(), run.device)
+        set_rng(run, state)
     except Exception as e:  # corrupt file, a missing entry, or weights of another shape
         msg = ' '.join(str(e).split())  # load_state_dict says what mismatches on its 2nd line
         die(f'cannot resume from {path}: {type(e).__name__}: {msg[:300]}')
@@ -951,7 +997,7 @@ def train(run, stop):
             m = record_eval(run)
             print(f"base model: held-out success {m['success']:.3f}" + (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
             if run.method.bank:
-                cold_start(run)
+                cold_start_cached(run, wpath)
         save_checkpoint(run)  # a run killed from here on can be resumed
     stop['training'] = True
     bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes', dynamic_ncols=True)

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -83,12 +85,13 @@ def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
     out = str(tmp_path)
     calls = []
 
-    def launch(cmd, log_path, env, warm=None):  # instead of a train.py process: a fake finished run
+    def launch(cmd, log_path, env, signals=()):  # instead of a train.py process: a fake finished run
         calls.append(cmd)
         name = os.path.basename(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd else cmd[cmd.index("--name") + 1]
         fake_run(f"{out}/{name}", name.split("-")[1], int(name[-1]), [0, 32, 64], [0.5, 0.5, 0.6])
-        if warm:
-            warm.set()
+        for _, event in signals:
+            if event:
+                event.set()
         return 0
 
     monkeypatch.setattr(bench, "launch", launch)
@@ -117,7 +120,7 @@ def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
 def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypatch):
     out, calls = str(tmp_path), []
 
-    def launch(cmd, log_path, env, warm=None):  # lopd: lr 3e-3 wins, grpo: lr 3e-4; ties keep the default
+    def launch(cmd, log_path, env, signals=()):  # lopd: lr 3e-3 wins, grpo: lr 3e-4; ties keep the default
         calls.append(cmd)
         name = cmd[cmd.index("--name") + 1]
         good = ("lopd" in name and "lr3e-3" in name) or ("grpo" in name and "lr3e-4" in name)
@@ -187,7 +190,7 @@ def test_a_run_made_by_other_code_is_stale_and_run_again(tmp_path, monkeypatch):
     fake_run(f"{out}/cmp-grpo-tooluse-e64-s2", "grpo", 2, [0, 64], [0.5, 0.6])
     assert bench.status(f"{out}/cmp-grpo-tooluse-e64-s2", 64) == "done"
 
-    def launch(cmd, log_path, env, warm=None):
+    def launch(cmd, log_path, env, signals=()):
         calls.append(cmd)
         assert not os.path.exists(f"{out}/cmp-grpo-tooluse-e64-s1")  # the stale folder is gone first
         fake_run(f"{out}/cmp-grpo-tooluse-e64-s1", "grpo", 1, [0, 64], [0.5, 0.7])
@@ -198,7 +201,45 @@ def test_a_run_made_by_other_code_is_stale_and_run_again(tmp_path, monkeypatch):
     assert len(calls) == 1 and "--resume" not in calls[0]
 
 
+def test_longest_runs_go_first_and_a_shared_cold_start_is_built_once(tmp_path, monkeypatch):
+    """lopd-m0 and lopd-frozen of one seed share LOPD's cold start: the first launched builds
+    it, the other starts only once it is cached; GRPO (short) goes last, not waiting."""
+    out, log, lock = str(tmp_path), [], threading.Lock()
+
+    def launch(cmd, log_path, env, signals=()):
+        name = cmd[cmd.index("--name") + 1]
+        with lock:
+            log.append(("start", name))
+        events = dict(signals)
+        if events["warm-up"]:
+            events["warm-up"].set()  # the warm-up at once, the cold start later
+        time.sleep(0.3)
+        with lock:
+            log.append(("cached", name))
+        if events["cold start"]:
+            events["cold start"].set()
+        time.sleep(0.3)
+        fake_run(f"{out}/{name}", "lopd" if "lopd" in name else "grpo", 1, [0, 64], [0.5, 0.6])
+        return 0
+    monkeypatch.setattr(bench, "launch", launch)
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "grpo,lopd-frozen,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
+    starts = [name for what, name in log if what == "start"]
+    assert [n.split("-tooluse")[0] for n in starts] == ["cmp-lopd-m0", "cmp-lopd-frozen", "cmp-grpo"]
+    assert log.index(("start", starts[1])) > log.index(("cached", starts[0]))  # waited for the cache
+    runs = bench.plan("cmp", "lopd-m0", bench.ENTRIES["lopd-m0"], bench.ENTRIES["lopd-m0"], "tooluse", 1), \
+        bench.plan("cmp", "lopd-frozen", bench.ENTRIES["lopd-frozen"], bench.ENTRIES["lopd-frozen"], "tooluse", 1), \
+        bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], bench.ENTRIES["lopd"], "tooluse", 2), \
+        bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], ["--lr", "3e-4"] + bench.ENTRIES["lopd"], "tooluse", 1)
+    assert runs[0]["cold_start"] == runs[1]["cold_start"]  # same seed, differ only after the cold start
+    assert runs[2]["cold_start"] != runs[0]["cold_start"]  # another seed
+    assert runs[3]["cold_start"] != runs[0]["cold_start"]  # another composer lr
+
+
 def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
-    assert not bench.warm_done("warm-up:   0%|          | 0/250 [00:00<?, ?it/s]")
-    assert bench.warm_done("warm-up:  12%| 30/250\nwarm-up: runs/warmup-tooluse-0123456789.pt\n")
-    assert bench.warm_done("warm-up: cached /tmp/x y/warmup-codegen-0123456789.pt")
+    assert not bench.cached("warm-up:   0%|          | 0/250 [00:00<?, ?it/s]", "warm-up")
+    assert bench.cached("warm-up:  12%| 30/250\nwarm-up: runs/warmup-tooluse-0123456789.pt\n", "warm-up")
+    assert bench.cached("warm-up: cached /tmp/x y/warmup-codegen-0123456789.pt", "warm-up")
+    assert not bench.cached("cold start:  10%| 30/300 [00:30<05:00, nll=0.02]", "cold start")
+    assert bench.cached("cold start: runs/coldstart-lopd-tooluse-s1-0123456789.pt", "cold start")
+    assert not bench.cached("cold start: runs/coldstart-lopd-tooluse-s1-0123456789.pt", "warm-up")

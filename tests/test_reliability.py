@@ -77,6 +77,9 @@ def test_the_interruptions_happened_where_asked(runs):
     # SIGKILL saves nothing: the last checkpoint is step 2's; SIGTERM saved step 3 first
     assert "resumed at step 2, 48 episodes" in res["kill-resumed"][1], res["kill-resumed"][1][-3000:]
     assert "resumed at step 3, 64 episodes" in res["term-resumed"][1], res["term-resumed"][1][-3000:]
+    # the first run built the cold start, the others loaded it: the equalities below cover the cache too
+    assert "cold start: cached" not in res["whole"][1] and "\ncold start: " in res["whole"][1]
+    assert "cold start: cached" in res["kill"][1] and "cold start: cached" in res["term"][1]
 
 
 @pytest.mark.parametrize("name", ["kill", "term"])
@@ -97,6 +100,24 @@ def test_a_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(runs, name)
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), (part, k)
     assert a["beta"] == b["beta"] and a["bank"] == b["bank"]
+
+
+def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, tmp_path, capsys):
+    """--margin 0 differs from LOPD only after the cold start, so it loads the one LOPD built;
+    run again where no cache exists (same warm-up), it builds its own: same numbers."""
+    out, _ = runs
+    ablation = [*TINY, "--method", "lopd", "--margin", "0", "--episodes", "48"]
+    train.main([*ablation, "--out_dir", str(out), "--name", "m0-cached"])
+    assert "cold start: cached" in capsys.readouterr().out
+    for f in out.glob("warmup-*.pt"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    train.main([*ablation, "--out_dir", str(tmp_path), "--name", "m0-built"])
+    assert "cold start: cached" not in capsys.readouterr().out
+    assert metrics(out / "m0-cached") == metrics(tmp_path / "m0-built")
+    # a knob the cold start reads is part of the key: a new cold start, not the cached one
+    train.main([*TINY, "--method", "lopd", "--cold_start_steps", "3", "--episodes", "16", "--out_dir", str(out),
+                "--name", "other-cold-start"])
+    assert "cold start: cached" not in capsys.readouterr().out
 
 
 def test_resume_refuses_a_changed_flag(runs, capsys):
