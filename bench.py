@@ -316,8 +316,10 @@ def write_results(cmp_dir, results, meta, target):
     results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
     with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
         json.dump(results_json, f, indent=1)
-    reach = lambda r: ('n/a (no grpo)' if target is None else 'not reached' if r['episodes_to_grpo_final'] is None
-                       else str(r['episodes_to_grpo_final']))
+    def reach(r):
+        n = r['episodes_to_grpo_final']
+        return ('n/a (no grpo)' if target is None else 'not reached' if n is None else
+                '0 (GRPO ends ≤ base)' if n == 0 else str(n))  # 0: the target says nothing about speed
     md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. GRPO's final mean success (the target of "

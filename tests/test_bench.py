@@ -79,6 +79,13 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
     assert bench.add_reach(res) == pytest.approx(0.6)
     assert (lo["episodes_to_grpo_final"], g["episodes_to_grpo_final"], op["episodes_to_grpo_final"]) == (256, 1024, None)
+    # GRPO ending at or below the base makes the target meaningless: the table says so
+    low = {"grpo": bench.summarize([f"{d}/g2"], 1024), "opsd": res["opsd"]}
+    assert bench.add_reach(low) == 0.5 and low["opsd"]["episodes_to_grpo_final"] == 0
+    meta = {"env": "tooluse", "seeds": [1], "episodes": 1024, "command": "c", "commit": "x", "code": "y",
+            "forwarded": [], "tuned": False, "flags": {"grpo": [], "opsd": []}, "failed": []}
+    bench.write_results(d, low, meta, 0.5)
+    assert "| 0 (GRPO ends ≤ base) |" in open(f"{d}/results.md").read()
 
 
 def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
