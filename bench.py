@@ -18,9 +18,9 @@ to reach GRPO's final mean success (the paper's sample-efficiency claim), base, 
 success and wall time; LOPD's diagnostics where logged. Not done: significance tests (with
 3 seeds, read the min-max band in curves.png), and runs of several environments at once.
 
-Cost on 2 CPU cores (--jobs 2, from the single-run times in README; the first run builds the
-warm-up, ~1.5 min, alone): full 27 runs, ~2,000 CPU-s per seed, ~50-60 min; quick 10 runs,
-~800 CPU-s, ~7-9 min; tune 21 runs, ~4,400 CPU-s, ~40 min.
+Measured on 2 CPU cores (--jobs 2, tool use, warm-up cached; README): full 27 runs 5,261 s
+(88 min); quick 10 runs 504 s; tune 21 runs at --episodes 1024, 1,559 s (building the warm-up
+included, ~95 s, which the first run of an environment pays once).
 """
 import argparse
 import contextlib

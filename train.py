@@ -334,7 +334,7 @@ def skill_text(records):
     wins = [r for r in records if r[1] > 0]
     fails = [r[2] for r in records if r[1] == 0 and r[2]]
     pattern = wins[-1][0] if wins else 'none yet'
-    mistake = max(set(fails), key=fails.count) if fails else 'none seen'
+    mistake = max(fails, key=fails.count) if fails else 'none seen'   # a tie: the earliest (set order is hash-seeded)
     turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
     return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
 

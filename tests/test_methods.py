@@ -119,6 +119,15 @@ def test_skill_text_template():
                                       "mistakes: the answer 'rome' is wrong; workflow: 2 turns, the last one answers\n")
 
 
+def test_skill_text_breaks_a_tie_between_mistakes_the_same_way_in_every_process():
+    # A tie once went to set() order, which follows the per-process string hash seed, so two
+    # runs of one seed could show different skills. The earliest of the tied mistakes wins.
+    mistakes = [f"the answer '{c}' is wrong" for c in ('rome', 'lima', 'oslo', 'bern', 'kyiv', 'rabat')]
+    recs = [("answer x", 0.0, m) for m in mistakes]
+    assert f"mistakes: {mistakes[0]};" in train.skill_text(recs)
+    assert f"mistakes: {mistakes[2]};" in train.skill_text(recs + recs[2:3])  # a count beats order
+
+
 def test_skillsd_ucb_tries_every_arm_first(env, captured):
     run = fake_run(env, "skillsd")
     fam = env.train_tasks[0].family
