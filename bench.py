@@ -40,39 +40,25 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm import tqdm
 
+import methods  # the registry: the entries, tuning grids and costs all come from it
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# entry -> train.py flags. A new method or ablation is one more line here.
-ENTRIES = {
-    'lopd':        ['--method', 'lopd'],
-    'grpo':        ['--method', 'grpo'],
-    'opsd':        ['--method', 'opsd'],
-    'sdpo':        ['--method', 'sdpo'],
-    'sdft':        ['--method', 'sdft'],
-    'skillsd':     ['--method', 'skillsd'],
-    'trajtext':    ['--method', 'trajtext'],
-    'lopd-frozen': ['--method', 'lopd', '--frozen_composer'],
-    'lopd-m0':     ['--method', 'lopd', '--margin', '0'],
-}
+
+# entry -> train.py flags: every method's own entry first, then the ablations (methods.py, Method.bench)
+_BENCH = sorted(((e, name, b) for name, m in methods.METHODS.items() for e, b in m.bench.items()),
+                key=lambda x: x[0] not in methods.METHODS)
+ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
 # --quick: ~10 runs of 1024 episodes. LOPD's 300-step cold start (~140 s on 2 cores) costs
 # more than its training at this budget, so quick shortens it; pass --cold_start_steps 300 to undo.
-QUICK_ENTRIES = ['lopd', 'grpo', 'opsd', 'lopd-frozen', 'lopd-m0']
+QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
 QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--cold_start_steps', '100']
-# --tune: the SAME number of settings (3) for every method, the default first (a tie keeps
-# it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
-DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
-TUNE = {
-    'lopd':     DISTILL_LR,
-    'grpo':     [[], ['--lr', '3e-5'], ['--lr', '3e-4']],
-    'opsd':     DISTILL_LR,
-    'sdpo':     [[], ['--lr', '3e-4'], ['--ema_rate', '0.01']],
-    'sdft':     DISTILL_LR,
-    'skillsd':  [[], ['--lr', '3e-4'], ['--k3_coef', '0.01']],
-    'trajtext': DISTILL_LR,
-}
+# --tune: the same number of settings for every method (methods.py, Method.tune), the default
+# first (a tie keeps it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
+TUNE = {name: m.tune for name, m in methods.METHODS.items() if len(m.tune) > 1}
 # seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
-COST = {'lopd': 670, 'sdft': 630, 'opsd': 550, 'trajtext': 430, 'lopd-m0': 350, 'skillsd': 290,
-        'lopd-frozen': 280, 'sdpo': 220, 'grpo': 160}
+COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
+REFERENCE = 'grpo'  # the paper's sample-efficiency claim: episodes to reach RLVR's (GRPO's) final success
 OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
 
 
@@ -104,18 +90,35 @@ def train_args(flags):
         die(f"train.py rejects `{' '.join(flags)}`: {err.getvalue().strip().removeprefix('train.py: error: ')}")
 
 
+def for_method(flags, method):
+    """Drop the flags (and their values) that the method does not read: a compare forwards e.g.
+    --cold_start_steps to every entry, and only the runs of methods that have it take it."""
+    import train
+    bools = {f.name for f in dataclasses.fields(train.config_class()) if f.type is bool}
+    foreign = {k for m in methods.METHODS.values() for k in m.flags} - set(methods.METHODS[method].flags)
+    out, i = [], 0
+    while i < len(flags):
+        name = flags[i][2:].split('=')[0] if flags[i].startswith('--') else None
+        n = 1 if name is None or name in bools or '=' in flags[i] else 2
+        out += [] if name in foreign else flags[i:i + n]
+        i += n
+    return out
+
+
 def plan(prefix, entry, own, flags, env, seed, label=''):
     """One run: its name and train.py flags. `own` = the entry's flags, `flags` = everything.
     The name has the budget and, if `flags` change anything beyond `own`, a hash of that."""
+    import bookkeeping
     import train
+    flags = for_method(flags, method_of(entry))
     args = train_args(flags + ['--env', env])
     a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(args)
     diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device'))
     tag = '-' + hashlib.sha1(json.dumps(diff).encode()).hexdigest()[:6] if diff else ''
     name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
-    shared = train.METHODS[args.method].bank and train.cold_start_key(dataclasses.replace(args, seed=seed))
+    shared = methods.METHODS[args.method].setup and bookkeeping.setup_key(dataclasses.replace(args, seed=seed), '', train.CODE)
     return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env],
-            'cold_start': shared or None}
+            'setup': shared or None}
 
 
 def status(run_dir, budget):
@@ -132,8 +135,8 @@ def status(run_dir, budget):
 
 
 def cached(log, what):
-    """train.py prints '<what>: [cached ]<path>.pt' once the warm-up / cold start is cached or
-    loaded (their progress bars also start with '<what>:', hence the regex)."""
+    """train.py prints '<what>: [cached ]<path>.pt' once the warm-up / a method's setup is cached
+    or loaded (the warm-up's progress bar also starts with 'warm-up:', hence the regex)."""
     return re.search(rf'^{what}: (cached )?.+\.pt$', log, re.M) is not None
 
 
@@ -169,7 +172,7 @@ def run_all(runs, out_dir, log_dir, jobs):
     bar, lock, running, failed = tqdm(total=len(todo), desc='bench runs', dynamic_ncols=True), threading.Lock(), [], []
     # longest first, so that the last runs to finish are short ones and no core idles long
     todo.sort(key=lambda rs: -COST.get(rs[0]['entry'], 0))
-    # runs with the same cold start (LOPD and its ablations, one seed): the first builds it,
+    # runs with the same setup (LOPD's cold start, shared by its ablations of one seed): the first builds it,
     # the others wait until it is cached (the longest-first order makes that wait rare)
     builders = {}
 
@@ -177,11 +180,11 @@ def run_all(runs, out_dir, log_dir, jobs):
         r, s = item
         d = os.path.join(out_dir, r['name'])
         built = waits = None
-        if r['cold_start'] and s != 'resume':
+        if r['setup'] and s != 'resume':
             with lock:
-                waits = builders.get(r['cold_start'])
+                waits = builders.get(r['setup'])
                 if waits is None:
-                    builders[r['cold_start']] = built = threading.Event()
+                    builders[r['setup']] = built = threading.Event()
             if waits is not None:
                 waits.wait()
         if s == 'stale':
@@ -193,8 +196,8 @@ def run_all(runs, out_dir, log_dir, jobs):
             running.append(r['name'])
             bar.set_postfix_str(', '.join(running))
         try:
-            rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, [('warm-up', warm), ('cold start', built)])
-        finally:  # a builder that failed releases its waiters too (they build the cold start themselves)
+            rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, [('warm-up', warm), ('setup', built)])
+        finally:  # a builder that failed releases its waiters too (they build the setup themselves)
             if built is not None:
                 built.set()
         with lock:
@@ -284,11 +287,10 @@ def summarize(run_dirs, budget):
     avg = lambda k: mean_of([mean_of([m.get(k) for m in ev]) for _, _, ev in runs])
     diag = {'teacher_success': last('teacher_success'), 'student_success_same_tasks': last('student_success_same_tasks'),
             'delta_mean': avg('delta'), 'anchor_mean': avg('anchor'), 'family_hit_mean': avg('family_hit'),
-            'beta_final': last('beta') if any(c.get('method') == 'lopd' for _, c, _ in runs) else None}
-    if all(c.get('method') == 'lopd' for _, c, _ in runs):
-        # LOPD's teacher is θ0: without latents it is the base, i.e. the student of the
-        # first evaluation on the same tasks
-        diag['teacher_without_latents'] = mean_of([ev[0].get('student_success_same_tasks') for _, _, ev in runs])
+            'beta_final': last('beta'),
+            # before any update every teacher's weights are θ0, so θ0 without its context is the
+            # student of the first evaluation, on the same tasks
+            'teacher_without_context': mean_of([ev[0].get('student_success_same_tasks') for _, _, ev in runs])}
     row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
     # per seed, every evaluation's diagnostics: β, Δ, anchor, family hit over time (for a notebook)
     keys = ['episodes', 'success', 'teacher_success', 'student_success_same_tasks', 'beta', 'delta', 'anchor', 'family_hit']
@@ -298,7 +300,7 @@ def summarize(run_dirs, budget):
 
 def add_reach(results):
     """Episodes each entry's seed-mean curve needs to reach GRPO's final mean success."""
-    target = results['grpo']['final_mean'] if results.get('grpo') else None
+    target = results[REFERENCE]['final_mean'] if results.get(REFERENCE) else None
     for r in results.values():
         if r:
             r['episodes_to_grpo_final'] = (episodes_to_reach(r['curve']['episodes'], r['curve']['mean'], target)
@@ -325,7 +327,7 @@ def write_results(cmp_dir, results, meta, target):
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. GRPO's final mean success (the target of "
           f"\"episodes to GRPO\"): {fmt(target)}. ± is the sample std over seeds; AUC = area under success vs "
           f"episodes / budget. wall s = each run's own seconds on one of the busy cores; runs with one seed's "
-          f"LOPD cold start (lopd, lopd-frozen, lopd-m0) share it: the first builds it, the others load it.", '',
+          f"method setup (LOPD's cold start, shared by its ablations) share it: the first builds it, the others load it.", '',
           '| entry | flags | seeds | final success | best | AUC | episodes to GRPO final | base | teacher | wall s |',
           '|---|---|---|---|---|---|---|---|---|---|']
     for e, r in results.items():
@@ -335,10 +337,10 @@ def write_results(cmp_dir, results, meta, target):
                   f"{fmt(r['best_mean'])} | {r['auc_mean']:.3f} | {reach(r)} | {fmt(r['base_mean'])} | "
                   f"{fmt(r['teacher_success'])} | {fmt(r['wall_seconds'], '.0f')} |")
     md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means; teacher and student '
-           'on the same first `--teacher_eval` held-out tasks; LOPD\'s teacher without latents = θ0 alone):', '',
-           '| entry | teacher (final) | teacher without latents | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
+           'on the same first `--teacher_eval` held-out tasks; teacher without context = θ0 alone, the first evaluation):', '',
+           '| entry | teacher (final) | teacher without context | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
            '|---|---|---|---|---|---|---|---|']
-    keys = ['teacher_success', 'teacher_without_latents', 'student_success_same_tasks', 'delta_mean', 'beta_final',
+    keys = ['teacher_success', 'teacher_without_context', 'student_success_same_tasks', 'delta_mean', 'beta_final',
             'anchor_mean', 'family_hit_mean']
     md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
            for e, r in results.items() if r and r['diagnostics']]

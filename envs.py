@@ -1,4 +1,4 @@
-"""Text environments with verifiable 0/1 reward (DESIGN §4).
+"""Text environments with verifiable 0/1 reward.
 
 Every environment speaks the same small interface, which is all the algorithm sees:
 
@@ -9,7 +9,7 @@ Every environment speaks the same small interface, which is all the algorithm se
     env.demo(task, rng, noisy)          -> list of actions   (scripted / noisy expert)
     env.trajectory_text(episode)        -> compact "action -> result" text (the bank's form)
 
-An `Episode` holds the turns so far; the model-side code (train.py) turns it into
+An `Episode` holds the turns so far; the model-side code (model.encode_episode) turns it into
 tokens. Model output is untrusted: malformed or hostile text gets an error
 observation and reward 0, never an exception, and every episode ends within
 `max_turns` agent turns.

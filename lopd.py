@@ -1,13 +1,13 @@
-"""The math of on-policy self-distillation and of LOPD, as pure functions (DESIGN §2-3).
+"""The math of on-policy self-distillation and of LOPD, as pure functions.
 
     token_logp        log π(y_t | y<t) of the sampled tokens
     divergence        per-token D(student ‖ teacher): reverse KL, forward KL, generalized JSD
     topk_divergence   the same over the teacher's top-k tokens plus one "tail" bucket
-    distill_loss      L_distill = Σ_{t∈A} D(π_θ ‖ sg π_T) / |A|                         (§2)
+    distill_loss      L_distill = Σ_{t∈A} D(π_θ ‖ sg π_T) / |A|
     Composer          retrieved experiences -> K latent tokens each (an MLP; the paper uses a Q-Former)
     teacher_inputs    [context (text or latents) ; trajectory] as one left-padded inputs_embeds batch
-    privileged_margin Δ(φ) = mean_τ A(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t)   (§3.5)
-    composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖²                      (§3.5)
+    privileged_margin Δ(φ) = mean_τ A(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t)
+    composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖²
     dual_update       β ← max(0, β + η_β (m − Δ))
     group_advantage   GRPO's (r − mean)/std over a group of G rollouts of one task
     ppo_clip_loss     PPO-clip policy gradient, token mean
@@ -17,7 +17,12 @@
 Shapes: B rollouts, T tokens, V vocabulary, d model width, K latents per experience,
 J experiences per task. `mask` is the agent-token mask A: 1 on tokens the agent
 generated, 0 on prompt, observation and padding tokens. Nothing here does I/O or keeps
-state; train.py owns the models and the loop.
+state; train.py owns the models and the loop, methods.py says which method uses what.
+
+References: LOPD, Zhang et al. 2026 (arXiv 2608.13040): the distillation loss, the composer,
+the privileged margin and its dual update; GKD, Agarwal et al. 2024 (generalized JSD);
+GRPO, Shao et al. 2024; PPO, Schulman et al. 2017; Skill-SD, Wang et al. 2026 (the
+importance-weighted k3 term); k3, Schulman 2020 ("Approximating KL divergence").
 """
 import torch
 import torch.nn as nn
@@ -53,13 +58,17 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
          teacher has none (the OPSD/LOPD default).
     fkl: KL(teacher ‖ student), mass-covering.
     jsd: generalized JSD(β) = β KL(T ‖ M) + (1−β) KL(S ‖ M), M = β T + (1−β) S
-         (Agarwal et al. 2024, GKD; OPSD uses β = 0.5, the symmetric JSD).
+         (Agarwal et al. 2024, GKD; OPSD uses β = 0.5, the symmetric JSD). At β = 0 and 1 the
+         formula is 0 for any pair; its limits, JSD/β -> KL(T ‖ S) and JSD/(1−β) -> KL(S ‖ T),
+         are what β = 0 and β = 1 give here, as in GKD's code.
     """
-    if kind == 'rkl':
+    if kind == 'rkl' or (kind == 'jsd' and beta == 1):
         return _kl(logp_s, logp_t)
-    if kind == 'fkl':
+    if kind == 'fkl' or (kind == 'jsd' and beta == 0):
         return _kl(logp_t, logp_s)
     if kind == 'jsd':
+        if not 0 < beta < 1:
+            raise ValueError(f'jsd needs 0 <= beta <= 1, got {beta}')
         # log M computed in log space: log(β e^{log T} + (1−β) e^{log S})
         logm = torch.logsumexp(torch.stack([logp_t + torch.log(torch.tensor(beta)),
                                             logp_s + torch.log(torch.tensor(1 - beta))]), 0)
@@ -94,7 +103,8 @@ def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
 
 
 def distill_loss(logits_s, logits_t, mask, kind='rkl', topk=0, beta=0.5):
-    """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A|   (DESIGN §2).
+    """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A|   (the LOPD paper's student loss;
+    OPSD, SDPO, SDFT differ in D and in what the teacher's context c holds).
 
     One forward pass per role already scored every prefix (causal attention), so this
     is a masked mean over positions. The teacher is detached: gradients reach θ only."""
@@ -166,7 +176,7 @@ def teacher_inputs(prefixes, body, body_mask):
 
 def privileged_margin(logp_t, logp_s, mask, reward):
     """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
-    A(τ) = 2r(τ) − 1 (DESIGN §3.5). Positive when the latent context makes the teacher
+    A(τ) = 2r(τ) − 1 (the LOPD paper's privileged margin). Positive when the latent context makes the teacher
     more likely than the student on successful behaviour and less likely on failures.
     logp_t, logp_s, mask (B, T); reward (B,) in {0, 1} -> scalar."""
     delta = logp_t - logp_s.detach()                                            # (B, T)
@@ -177,7 +187,7 @@ def privileged_margin(logp_t, logp_s, mask, reward):
 
 
 def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0):
-    """The composer's objective (DESIGN §3.5), minimised over φ only:
+    """The composer's objective (the LOPD paper's composer loss), minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
 

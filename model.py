@@ -1,8 +1,8 @@
-"""Tokenizer and model behind one small interface (DESIGN §5).
+"""Tokenizer and model behind one small interface, and the token-level helpers on top of it.
 
-The algorithm (lopd.py, train.py) only needs: encode/decode, a few special token ids
-for the turn structure, the embedding matrix (to build `inputs_embeds`), and a causal
-LM that accepts `inputs_embeds`. Two ways to get them:
+The algorithm (lopd.py, methods.py, train.py) only needs: encode/decode, a few special
+token ids for the turn structure, the embedding matrix (to build `inputs_embeds`), and a
+causal LM that accepts `inputs_embeds`. Two ways to get them:
 
 - default: a byte-level `tiktoken.Encoding` built offline (256 byte ranks, no merges,
   plus the special tokens below) and a tiny Llama built from a `transformers` config
@@ -15,11 +15,20 @@ A conversation is laid out as
     <|bos|> <|obs|> task <|agent|> action <|eot|> <|obs|> result <|agent|> action <|eot|> ...
 
 and the teacher's privileged context goes between <|bos|><|ctx|> and the first <|obs|>.
+
+On top of that interface: an episode as tokens and its agent-token mask (`encode_episode`),
+right-padded batches (`pad_batch`), the two kinds of context prefix (`bos_prefix` for the
+student, `text_prefix` for a teacher told something in words), KV-cached decoding of one
+agent turn (`generate`) and scoring every prefix of a batch in one forward (`logits_on`).
 """
 import inspect
 
 import tiktoken
 import torch
+
+import lopd
+
+MAX_OBS_CHARS = 100  # observations are cut to this many characters before tokenizing
 
 SPECIALS = ['<|bos|>', '<|obs|>', '<|agent|>', '<|eot|>', '<|ctx|>', '<|pad|>']
 
@@ -116,3 +125,84 @@ class _CacheKw(dict):
 
 
 CACHE_KW = _CacheKw()
+
+
+# ----------------------------------------------------------------------------- tokens of an episode
+
+def obs_ids(tok, text):
+    return [tok.obs] + tok.encode(text[:MAX_OBS_CHARS]) + [tok.agent]
+
+
+def encode_episode(tok, ep):
+    """An episode as the student sees it (no <|bos|>) and its agent-token mask.
+
+    <|obs|> task <|agent|> a1 <|eot|> <|obs|> o1 <|agent|> a2 <|eot|> ...
+    mask = 1 on action tokens and their <|eot|> (what the agent generated), 0 elsewhere."""
+    ids = obs_ids(tok, ep.task.prompt)
+    mask = [0] * len(ids)
+    for action, obs in ep.turns:
+        a = tok.encode(action) + [tok.eot]
+        ids, mask = ids + a, mask + [1] * len(a)
+        if obs:
+            o = obs_ids(tok, obs)
+            ids, mask = ids + o, mask + [0] * len(o)
+    return ids, mask
+
+
+def pad_batch(seqs, masks, pad, device):
+    """Right-pad bodies -> ids (B, T), agent mask (B, T), attention mask (B, T)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    amask = torch.zeros(len(seqs), T)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, :len(s)], amask[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), torch.tensor(m, dtype=torch.float), 1
+    return ids.to(device), amask.to(device), attn.to(device)
+
+
+# ----------------------------------------------------------------------------- contexts, decoding, scoring
+
+def bos_prefix(model, tok, n):
+    """The student's 'context': just <|bos|>, as (1, d) embeddings per row."""
+    return [embed(model, torch.tensor([tok.bos], device=model.device))] * n
+
+
+def text_prefix(model, tok, texts):
+    """<|bos|><|ctx|> text, embedded by the teacher: a privileged context given as text."""
+    return [embed(model, torch.tensor([tok.bos, tok.ctx] + tok.encode(t), device=model.device)) for t in texts]
+
+
+@torch.no_grad()
+def generate(model, tok, prefixes, bodies, max_new, greedy):
+    """Sample one agent turn per row, with a KV cache, until <|eot|> or max_new tokens.
+
+    prefixes: list of (P_i, d) context embeddings; bodies: list of token lists.
+    Rows are left-padded so that every row's next token is at the last position."""
+    rows = [torch.cat([p, embed(model, torch.tensor(b, device=model.device))]) for p, b in zip(prefixes, bodies)]
+    L, B = max(r.shape[0] for r in rows), len(rows)
+    E = rows[0].new_zeros(B, L, rows[0].shape[1])
+    mask = torch.zeros(B, L, dtype=torch.long, device=model.device)
+    for i, r in enumerate(rows):
+        E[i, L - r.shape[0]:], mask[i, L - r.shape[0]:] = r, 1
+    logits, cache = forward(model, E, mask, use_cache=True)
+    pos = mask.sum(-1, keepdim=True) - 1                                        # (B, 1) position of the last token
+    out, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device)
+    for _ in range(max_new):
+        last = logits[:, -1].float()                                            # (B, V)
+        nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last, -1), 1).squeeze(-1)
+        for i in (~done).nonzero().flatten().tolist():
+            out[i].append(int(nxt[i]))
+        done |= nxt == tok.eot
+        if done.all():
+            break
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        logits, cache = forward(model, embed(model, nxt[:, None]), mask, past=cache, pos=pos, use_cache=True)
+    return out
+
+
+def logits_on(model, prefixes, ids, attn):
+    """Score every prefix of the trajectories in one forward: (B, T, V), where row i,
+    position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t."""
+    E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
+    logits, _ = forward(model, E, mask)
+    return logits[:, P - 1:P - 1 + ids.shape[1]]

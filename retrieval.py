@@ -1,4 +1,4 @@
-"""The experience bank and retriever of LOPD (DESIGN.md section 3, step 1).
+"""The experience bank and retriever of LOPD (step 2 of train.py).
 
 The bank stores *successful* trajectories as "action -> result" text, each with a document
 embedding (of its task by default; of "task \\n trajectory" with doc_trajectory=True, as in

@@ -28,7 +28,9 @@ def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ck
         json.dump({"method": method, "seed": seed, "code": code or train.CODE}, f)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, (x, y) in enumerate(zip(xs, ys)):
-            m = {"success": y, "episodes": x, "step": i, "beta": 0.1 * i, "delta": delta, "loss": None}
+            m = {"success": y, "episodes": x, "step": i, "delta": delta, "loss": None}
+            if method == "lopd":
+                m["beta"] = 0.1 * i
             if teacher is not None:
                 m.update(teacher_success=teacher, student_success_same_tasks=y)
             f.write(json.dumps(m) + "\n")
@@ -73,8 +75,9 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     assert lo["diagnostics"]["delta_mean"] == pytest.approx(0.3) and lo["diagnostics"]["teacher_success"] == 0.8
     assert lo["diagnostics"]["beta_final"] == pytest.approx(0.2) and "beta_final" not in op["diagnostics"]
     assert "delta_mean" not in g["diagnostics"]
-    # LOPD's teacher without latents is θ0: the first evaluation's student on the same tasks
-    assert lo["diagnostics"]["teacher_without_latents"] == 0.5 and "teacher_without_latents" not in op["diagnostics"]
+    # every teacher without its context is θ0: the first evaluation's student on the same tasks
+    assert lo["diagnostics"]["teacher_without_context"] == 0.5 == op["diagnostics"]["teacher_without_context"]
+    assert "teacher_without_context" not in g["diagnostics"]
     assert [e["beta"] for e in lo["evals"][1]] == pytest.approx([0.0, 0.1, 0.2]) and len(lo["evals"]) == 2
     # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
     assert bench.add_reach(res) == pytest.approx(0.6)
@@ -158,12 +161,16 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
     (["--seed", "3"], ["--seed"]),
     (["--set", "lr"], ["--set", "lr"]),
     (["--methods", "grpo", "--batch", "6"], ["--batch", "6"]),   # train.py's own check, before any run
+    (["--methods", "lopd", "--margin", "-1"], ["--margin", "-1"]),
 ])
-def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path):
-    p = subprocess.run([sys.executable, "bench.py", *argv, "--out_dir", str(tmp_path)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=60)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and p.stdout == "" and len(lines) == 1, p.stderr
+def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    """In-process (no 4 s interpreter start each): one line, exit status 2, nothing started."""
+    monkeypatch.setattr(bench, "launch", lambda *a, **kw: pytest.fail("a run was launched"))
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--out_dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("bench.py: error:") and all(w in lines[0] for w in words), lines[0]
     assert not os.listdir(tmp_path)  # nothing was started
 
@@ -223,8 +230,8 @@ def test_longest_runs_go_first_and_a_shared_cold_start_is_built_once(tmp_path, m
         time.sleep(0.3)
         with lock:
             log.append(("cached", name))
-        if events["cold start"]:
-            events["cold start"].set()
+        if events["setup"]:
+            events["setup"].set()
         time.sleep(0.3)
         fake_run(f"{out}/{name}", "lopd" if "lopd" in name else "grpo", 1, [0, 64], [0.5, 0.6])
         return 0
@@ -238,15 +245,35 @@ def test_longest_runs_go_first_and_a_shared_cold_start_is_built_once(tmp_path, m
         bench.plan("cmp", "lopd-frozen", bench.ENTRIES["lopd-frozen"], bench.ENTRIES["lopd-frozen"], "tooluse", 1), \
         bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], bench.ENTRIES["lopd"], "tooluse", 2), \
         bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], ["--lr", "3e-4"] + bench.ENTRIES["lopd"], "tooluse", 1)
-    assert runs[0]["cold_start"] == runs[1]["cold_start"]  # same seed, differ only after the cold start
-    assert runs[2]["cold_start"] != runs[0]["cold_start"]  # another seed
-    assert runs[3]["cold_start"] != runs[0]["cold_start"]  # another composer lr
+    assert runs[0]["setup"] == runs[1]["setup"]  # same seed, differ only after the cold start
+    assert runs[2]["setup"] != runs[0]["setup"]  # another seed
+    assert runs[3]["setup"] != runs[0]["setup"]  # another composer lr
+
+
+def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
+    """Registering a method (here a copy of GRPO with an ablation) is the only edit: it gets a
+    bench entry, its ablation, its grid and its cost, and forwarded flags it does not read are dropped."""
+    import importlib
+    import methods
+    monkeypatch.setitem(methods.METHODS, "grpo2", methods.Method(
+        methods.grpo_loss, teacher="none", group=4, bench={"grpo2": dict(cost=1), "grpo2-slow": dict(flags=["--lr", "1e-5"])},
+        tune=[[], ["--lr", "1e-5"]]))
+    b = importlib.reload(bench)
+    try:
+        assert b.ENTRIES["grpo2"] == ["--method", "grpo2"] and b.ENTRIES["grpo2-slow"] == ["--method", "grpo2", "--lr", "1e-5"]
+        assert b.TUNE["grpo2"] == [[], ["--lr", "1e-5"]] and b.COST["grpo2"] == 1
+        assert list(b.ENTRIES).index("grpo2") < list(b.ENTRIES).index("lopd-frozen")  # methods first, then ablations
+        assert b.for_method(["--cold_start_steps", "3", "--frozen_composer", "--lr", "1e-3"], "grpo2") == ["--lr", "1e-3"]
+        assert b.for_method(["--cold_start_steps=3", "--frozen_composer"], "lopd") == ["--cold_start_steps=3", "--frozen_composer"]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(bench)
 
 
 def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
     assert not bench.cached("warm-up:   0%|          | 0/250 [00:00<?, ?it/s]", "warm-up")
     assert bench.cached("warm-up:  12%| 30/250\nwarm-up: runs/warmup-tooluse-0123456789.pt\n", "warm-up")
     assert bench.cached("warm-up: cached /tmp/x y/warmup-codegen-0123456789.pt", "warm-up")
-    assert not bench.cached("cold start:  10%| 30/300 [00:30<05:00, nll=0.02]", "cold start")
-    assert bench.cached("cold start: runs/coldstart-lopd-tooluse-s1-0123456789.pt", "cold start")
-    assert not bench.cached("cold start: runs/coldstart-lopd-tooluse-s1-0123456789.pt", "warm-up")
+    assert not bench.cached("setup:  10%| 30/300 [00:30<05:00, nll=0.02]", "setup")
+    assert bench.cached("setup: runs/setup-lopd-tooluse-s1-0123456789.pt", "setup")
+    assert not bench.cached("setup: runs/setup-lopd-tooluse-s1-0123456789.pt", "warm-up")

@@ -1,6 +1,6 @@
 """Subprocess tests of `python train.py`: bad arguments fail fast with one clear line, -h
 lists every flag, and tiny smoke runs of lopd, grpo and opsd write everything a run
-promises (DESIGN §6).
+promises.
 
 Every process starts by importing torch + transformers (~4 s of CPU), so one module fixture
 starts them all as early as it can and keeps both cores busy: the bad-argument processes
@@ -21,14 +21,15 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+import methods  # noqa: E402
 import train  # noqa: E402
 
 torch.set_num_threads(1)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8",
-        "--init_episodes", "16", "--cold_start_steps", "2", "--eval_every", "2", "--teacher_eval", "8",
+TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8", "--eval_every", "2", "--teacher_eval", "8",
         "--d_model", "32", "--n_layer", "1"]
+OWN = {"lopd": ["--init_episodes", "16", "--cold_start_steps", "2"]}  # flags only that method reads
 
 
 def start(args, logs, key):
@@ -73,7 +74,7 @@ def procs(out_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
 
     def smoke(m):
-        args = [*TINY, "--method", m, "--episodes", str(EPISODES[m]), "--out_dir", str(out_dir)]
+        args = [*TINY, *OWN.get(m, []), "--method", m, "--episodes", str(EPISODES[m]), "--out_dir", str(out_dir)]
         return start(args, logs, m)
 
     def done(m):
@@ -109,12 +110,18 @@ def test_bad_argument_exits_2_with_one_line(procs, case):
         assert word in lines[0], lines[0]
 
 
-def test_help_lists_every_flag(procs):
+def test_help_lists_every_flag_in_groups(procs):
     rc, out, err = procs["help"]
     assert rc == 0 and "Traceback" not in err
-    for f in dataclasses.fields(train.Args):
+    for f in dataclasses.fields(train.config_class()):
         assert f"--{f.name}" in out, f.name
-    assert "lopd" in out and "grpo" in out and "opsd" in out
+    assert all(m in out for m in methods.METHODS)
+    # the run, the model and warm-up, then each set of methods' own flags, with the flags under their group
+    groups = [line for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert groups[1:4] == ["the run:", "the model and the warm-up:", "only for lopd, opsd, sdpo, sdft, trajtext:"]
+    assert "only for lopd:" in groups and "only for skillsd:" in groups
+    lopd_only = out[out.index("only for lopd:"):]
+    assert "--margin" in lopd_only.split("\n\n")[0] and "--k3_coef" not in lopd_only.split("\n\n")[0]
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -129,7 +136,10 @@ def test_help_lists_every_flag(procs):
     (["--frozen_composer", "--method", "grpo"], ["--frozen_composer", "lopd"]),
     (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
     (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
-    (["--inject_nan", "two"], ["--inject_nan", "two"]),
+    (["--margin", "0.1", "--method", "grpo"], ["--margin", "lopd", "grpo"]),   # a flag of another method
+    (["--teacher", "ema"], ["--teacher", "lopd"]),                             # LOPD's teacher is θ0 only
+    (["--ema_rate", "0"], ["--ema_rate", "0"]),
+    (["--warmup_ctx", "1.5"], ["--warmup_ctx", "1.5"]),
     (["--max_skips", "0"], ["--max_skips"]),
 ])
 def test_more_bad_arguments_in_process(capsys, argv, words):
@@ -195,7 +205,7 @@ def test_smoke_run_writes_the_run_folder(smoke, method):
     if method in ("lopd", "opsd"):
         assert "teacher_success" in metrics[-1]  # --teacher_eval 8
     if method == "lopd":
-        assert "bank" in ckpt and "composer" in ckpt
+        assert {"bank", "composer", "composer0", "opt_phi", "beta"} <= set(ckpt["state"])
 
 
 def test_resume_continues_the_run(smoke):

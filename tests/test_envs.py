@@ -92,7 +92,7 @@ def test_random_plan_has_1_to_5_calls():
 
 
 def test_answer_is_never_the_person_in_the_prompt(env):
-    """DESIGN §4: answers 'can only be known by calling the tools'."""
+    """Answers 'can only be known by calling the tools'."""
     echo = [t for t in env.eval_tasks if t.answer == t.prompt.split()[-1]]
     assert echo == []
 

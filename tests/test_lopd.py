@@ -2,7 +2,7 @@
 loop with plain sums), hand-computed examples, and the gradient / mask plumbing.
 
 The central one is test_distill_loss_matches_per_prefix_loop: distill_loss computed from
-ONE forward pass per role (train.logits_on over left-padded teacher contexts and right-
+ONE forward pass per role (M.logits_on over left-padded teacher contexts and right-
 padded bodies) equals feeding every prefix separately to the model."""
 import math
 import os
@@ -17,7 +17,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
-import train  # noqa: E402
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a shared 2-core box
 LN2 = math.log(2)
@@ -53,8 +52,8 @@ def batch(tok):
              [0] * 7 + [1] * 9 + [0] * 5 + [1] * 10,
              [0] * 3 + [1] * 4]
     assert [len(b) for b in bodies] == [len(m) for m in masks]
-    ids, amask, attn = train.pad_batch(bodies, masks, tok.pad, "cpu")
-    text = train.text_prefix(teacher, tok, ["reference solution: city(bo) -> rome\n", "hi"])
+    ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, "cpu")
+    text = M.text_prefix(teacher, tok, ["reference solution: city(bo) -> rome\n", "hi"])
     latents = torch.randn(5, d, dtype=torch.float64)
     contexts = [torch.cat([text[0][:4], latents, text[0][4:]]),  # 38 + 5 rows: text with latents spliced in
                 text[1],                                           # 4 rows
@@ -105,8 +104,8 @@ def per_prefix_reference(b, kind, tok):
 def test_distill_loss_matches_per_prefix_loop(batch, tok, kind):
     b = batch
     with torch.no_grad():
-        logits_s = train.logits_on(b["student"], train.bos_prefix(b["student"], tok, 3), b["ids"], b["attn"])
-        logits_t = train.logits_on(b["teacher"], b["contexts"], b["ids"], b["attn"])
+        logits_s = M.logits_on(b["student"], M.bos_prefix(b["student"], tok, 3), b["ids"], b["attn"])
+        logits_t = M.logits_on(b["teacher"], b["contexts"], b["ids"], b["attn"])
         assert logits_s.shape == logits_t.shape == (3, b["ids"].shape[1], tok.vocab_size)
         fast = lopd.distill_loss(logits_s, logits_t, b["amask"], kind)
     slow = per_prefix_reference(b, kind, tok)
@@ -169,6 +168,21 @@ def test_generalized_jsd_beta_0_1_direct_formula():
     assert not torch.allclose(got, lopd.divergence(ls, lt, "jsd", beta=0.5))
 
 
+def test_generalized_jsd_limits_are_forward_and_reverse_kl():
+    """As GKD: JSD(β)/β -> KL(T‖S) as β -> 0 and JSD(β)/(1−β) -> KL(S‖T) as β -> 1, so β = 0 and
+    β = 1 give those limits (the mixture formula itself would give 0 there)."""
+    torch.manual_seed(0)
+    ls, lt = torch.randn(4, 5, 7, dtype=torch.float64), torch.randn(4, 5, 7, dtype=torch.float64) * 2
+    fkl, rkl = lopd.divergence(ls, lt, "fkl"), lopd.divergence(ls, lt, "rkl")
+    assert torch.equal(lopd.divergence(ls, lt, "jsd", beta=0.0), fkl)
+    assert torch.equal(lopd.divergence(ls, lt, "jsd", beta=1.0), rkl)
+    eps = 1e-6
+    torch.testing.assert_close(lopd.divergence(ls, lt, "jsd", beta=eps) / eps, fkl, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(lopd.divergence(ls, lt, "jsd", beta=1 - eps) / eps, rkl, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError):
+        lopd.divergence(ls, lt, "jsd", beta=1.5)
+
+
 @pytest.mark.parametrize("kind", ["rkl", "fkl", "jsd"])
 def test_divergence_zero_when_teacher_equals_student(kind):
     torch.manual_seed(0)
@@ -226,8 +240,8 @@ def test_unknown_divergence_raises():
 def test_distill_loss_gradients_reach_student_only(batch, tok, kind):
     b = batch
     S, T_ = tiny(0, tok.vocab_size), tiny(1, tok.vocab_size)  # fresh copies with grads on
-    logits_s = train.logits_on(S, train.bos_prefix(S, tok, 3), b["ids"], b["attn"])
-    logits_t = train.logits_on(T_, [c.detach() for c in b["contexts"]], b["ids"], b["attn"])
+    logits_s = M.logits_on(S, M.bos_prefix(S, tok, 3), b["ids"], b["attn"])
+    logits_t = M.logits_on(T_, [c.detach() for c in b["contexts"]], b["ids"], b["attn"])
     leaf_t = logits_t.detach().requires_grad_(True)  # a teacher-logits tensor that asks for grads
     lopd.distill_loss(logits_s, leaf_t, b["amask"], kind).backward()
     assert leaf_t.grad is None or torch.all(leaf_t.grad == 0)
@@ -250,7 +264,7 @@ def tool_episode(env):
 def test_encode_episode_mask_is_exactly_the_agent_tokens(tok):
     env = envs.make_env("tooluse")
     ep = tool_episode(env)
-    ids, mask = train.encode_episode(tok, ep)
+    ids, mask = M.encode_episode(tok, ep)
     assert len(ids) == len(mask) and set(mask) == {0, 1}
     # the masked tokens, split at <|eot|>, are exactly the actions, each closed by <|eot|>
     agent = [i for i, m in zip(ids, mask) if m]
@@ -277,8 +291,8 @@ def test_encode_episode_mask_is_exactly_the_agent_tokens(tok):
 def test_distill_loss_ignores_logits_where_mask_is_zero(tok, kind):
     env = envs.make_env("tooluse")
     ep, ep2 = tool_episode(env), envs.play(env, env.eval_tasks[0], ["answer bo"])
-    seqs, masks = zip(*[train.encode_episode(tok, e) for e in (ep, ep2)])
-    ids, amask, attn = train.pad_batch(seqs, masks, tok.pad, "cpu")
+    seqs, masks = zip(*[M.encode_episode(tok, e) for e in (ep, ep2)])
+    ids, amask, attn = M.pad_batch(seqs, masks, tok.pad, "cpu")
     assert (attn == 0).any()  # the second row is padded
     torch.manual_seed(0)
     ls, lt = torch.randn(2, ids.shape[1], tok.vocab_size), torch.randn(2, ids.shape[1], tok.vocab_size)
@@ -341,7 +355,7 @@ def test_composer_loss_gradients_reach_the_composer_only(tok):
     # the frozen base reads two experiences; the composer turns each into K latents
     exp = [tok.encode("task to solve: q1 bo\nreference past trajectory: team(bo) -> red"),
            tok.encode("task to solve: q2 ed\nreference: lead(red)")]
-    eids, _, eattn = train.pad_batch(exp, [[0] * len(e) for e in exp], tok.pad, "cpu")
+    eids, _, eattn = M.pad_batch(exp, [[0] * len(e) for e in exp], tok.pad, "cpu")
     h = M.hidden(frozen, eids, eattn)
     z = composer(h, eattn)                                                  # (N, K, d)
     assert z.shape == (N, K, d)
@@ -349,8 +363,8 @@ def test_composer_loss_gradients_reach_the_composer_only(tok):
     prefixes = [torch.cat([bos, z[i]]) for i in range(B)]
     bodies = [[tok.obs, 65, tok.agent, 66, 67, tok.eot], [tok.obs, 68, tok.agent, 69, tok.eot]]
     masks = [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
-    ids, amask, attn = train.pad_batch(bodies, masks, tok.pad, "cpu")
-    logits_t = train.logits_on(frozen, prefixes, ids, attn)
+    ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, "cpu")
+    logits_t = M.logits_on(frozen, prefixes, ids, attn)
     logits_s = torch.randn(B, ids.shape[1], tok.vocab_size, dtype=torch.float64, requires_grad=True)
     z0 = (z + 0.1 * torch.randn_like(z)).detach()
     reward = torch.tensor([1.0, 0.0])
@@ -414,9 +428,9 @@ def test_bos_prefix_equals_plain_model_and_latents_change_logits(tok):
     m = tiny(3, tok.vocab_size)
     bodies = [[tok.obs] + tok.encode("city of bo") + [tok.agent] + tok.encode("city(bo)"),
               [tok.obs] + tok.encode("q1 ed") + [tok.agent]]
-    ids, _, attn = train.pad_batch(bodies, [[0] * len(b) for b in bodies], tok.pad, "cpu")
+    ids, _, attn = M.pad_batch(bodies, [[0] * len(b) for b in bodies], tok.pad, "cpu")
     with torch.no_grad():
-        fast = train.logits_on(m, train.bos_prefix(m, tok, 2), ids, attn)    # (B, T, V)
+        fast = M.logits_on(m, M.bos_prefix(m, tok, 2), ids, attn)    # (B, T, V)
         for i, b in enumerate(bodies):
             plain = m(input_ids=torch.tensor([[tok.bos] + b])).logits[0, :len(b)]  # no latents, K = 0
             torch.testing.assert_close(fast[i, :len(b)], plain, atol=1e-9, rtol=1e-9)
@@ -424,7 +438,7 @@ def test_bos_prefix_equals_plain_model_and_latents_change_logits(tok):
         torch.manual_seed(0)
         bos = M.embed(m, torch.tensor([tok.bos]))
         pref = [torch.cat([bos, torch.randn(4, 32, dtype=torch.float64)]) for _ in bodies]
-        lat = train.logits_on(m, pref, ids, attn)
+        lat = M.logits_on(m, pref, ids, attn)
     assert lat.shape == fast.shape
     for i, b in enumerate(bodies):
         assert (lat[i, :len(b)] - fast[i, :len(b)]).abs().amax(-1).min() > 1e-4

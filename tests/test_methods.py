@@ -1,5 +1,6 @@
-"""Each method's teacher context is built as specified (DESIGN §2), and the two pieces of
+"""Each method's teacher context is built as its paper describes, and the two pieces of
 math the baselines add: Skill-SD's importance-weighted k3 term and SDPO's EMA teacher."""
+import math
 import os
 import random
 import sys
@@ -11,8 +12,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
+import bookkeeping as bk  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
+import methods  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 
@@ -22,7 +25,7 @@ torch.set_num_threads(1)
 @pytest.fixture
 def captured(monkeypatch):
     """Replace text_prefix so that a context builder hands back its texts, not embeddings."""
-    monkeypatch.setattr(train, "text_prefix", lambda model, tok, texts: list(texts))
+    monkeypatch.setattr(M, "text_prefix", lambda model, tok, texts: list(texts))
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +33,11 @@ def env():
     return envs.ToolUse(n_train=200, n_eval=20)
 
 
-def fake_run(env, method, **kw):
-    run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=train.METHODS[method], rng=random.Random(0),
-                                log={"family_hit": []}, skills={}, ucb={},
-                                args=types.SimpleNamespace(J=3))
+def fake_run(env, method, state=None, **kw):
+    run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=methods.METHODS[method], rng=random.Random(0),
+                                args=types.SimpleNamespace(J=3), state=state or {})
+    if method == "skillsd" and not state:
+        run.state = methods.METHODS["skillsd"].state(run)
     run.__dict__.update(kw)
     return run
 
@@ -45,17 +49,17 @@ def played(env, task, ok):
 
 def test_opsd_context_holds_the_reference_solution(env, captured):
     eps = [env.reset(t) for t in env.train_tasks[:5]]
-    texts = train.opsd_context(fake_run(env, "opsd"), eps)
+    texts = methods.opsd_context(fake_run(env, "opsd"), eps)
     for e, t in zip(eps, texts):
         assert e.task.solution in t and e.task.answer in t
 
 
 def test_sdpo_never_shows_a_rollout_its_own_attempt(env, captured):
-    G = train.METHODS["sdpo"].group
+    G = methods.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     # group 1: exactly one success; group 2: no success
     eps = [played(env, a, ok) for ok in [True, False, False, False]] + [played(env, b, False) for _ in range(G)]
-    texts = train.sdpo_context(fake_run(env, "sdpo"), eps)
+    texts = methods.sdpo_context(fake_run(env, "sdpo"), eps)
     win = env.trajectory_text(eps[0])
     assert all(win in t for t in texts[1:4])            # the failures see the successful sibling
     assert win not in texts[0] and texts[0].startswith("feedback: correct")  # the success has no other winner
@@ -63,20 +67,20 @@ def test_sdpo_never_shows_a_rollout_its_own_attempt(env, captured):
         assert t == f"feedback: {e.feedback}\n" and "wrong" in t
     # a rollout with neither a successful sibling nor feedback is masked out (None)
     eps[5].feedback = ""
-    assert train.sdpo_context(fake_run(env, "sdpo"), eps)[5] is None
+    assert methods.sdpo_context(fake_run(env, "sdpo"), eps)[5] is None
 
 
 def test_sdpo_sibling_is_from_the_same_group(env, captured):
-    G = train.METHODS["sdpo"].group
+    G = methods.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     eps = [played(env, a, False) for _ in range(G)] + [played(env, b, True)] + [played(env, b, False)] * (G - 1)
-    texts = train.sdpo_context(fake_run(env, "sdpo"), eps)
+    texts = methods.sdpo_context(fake_run(env, "sdpo"), eps)
     assert all(t.startswith("feedback:") for t in texts[:G])  # b's success never leaks into a's group
 
 
 def test_sdft_context_is_the_experts_trajectory_of_this_task(env, captured):
     eps = [env.reset(t) for t in env.train_tasks[:4]]
-    texts = train.sdft_context(fake_run(env, "sdft"), eps)
+    texts = methods.sdft_context(fake_run(env, "sdft"), eps)
     for e, t in zip(eps, texts):
         demo = envs.play(env, e.task, env.demo(e.task, random.Random(0)))
         assert demo.reward == 1 and env.trajectory_text(demo) in t
@@ -87,9 +91,9 @@ def test_trajtext_shows_the_same_experiences_lopd_retrieves(env, captured):
     wins = [played(env, t, True) for t in env.train_tasks[:40]]
     bank.add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt, env.trajectory_text(e), 1.0)
               for e in wins])
-    run = fake_run(env, "trajtext", bank=bank)
+    run = fake_run(env, "trajtext", state={"bank": bank})
     eps = [env.reset(t) for t in env.train_tasks[:3]]
-    texts = train.trajtext_context(run, eps)
+    texts = methods.trajtext_context(run, eps)
     found = bank.retrieve([e.task.prompt for e in eps], [e.task.task_id for e in eps], 3)
     for t, f, e in zip(texts, found, eps):
         assert len(f) == 3 and all(m.text in t for m in f)
@@ -102,9 +106,9 @@ def test_skill_text_uses_only_the_tasks_family(env, captured):
     for t in env.train_tasks[:60]:
         e = played(env, t, ok=len(fams.get(t.family, [])) % 2 == 0)
         fams.setdefault(t.family, []).append(e)
-        run.skills.setdefault(t.family, []).append((env.trajectory_text(e), e.reward, e.feedback))
+        run.state["skills"].setdefault(t.family, []).append((env.trajectory_text(e), e.reward, e.feedback))
     eps = [env.reset(t) for t in env.eval_tasks[:10]]
-    texts = train.skillsd_context(run, eps)
+    texts = methods.skillsd_context(run, eps)
     for e, text in zip(eps, texts):
         own = {env.trajectory_text(x) for x in fams[e.task.family] if x.reward > 0}
         other = {env.trajectory_text(x) for f, xs in fams.items() if f != e.task.family for x in xs}
@@ -115,7 +119,7 @@ def test_skill_text_uses_only_the_tasks_family(env, captured):
 def test_skill_text_template():
     recs = [("city(bo) -> oslo; answer oslo", 1.0, "correct"), ("answer rome", 0.0, "the answer 'rome' is wrong"),
             ("answer lima", 0.0, "the answer 'lima' is wrong"), ("answer rome", 0.0, "the answer 'rome' is wrong")]
-    assert train.skill_text(recs) == ("skill: success pattern: city(bo) -> oslo; answer oslo; "
+    assert methods.skill_text(recs) == ("skill: success pattern: city(bo) -> oslo; answer oslo; "
                                       "mistakes: the answer 'rome' is wrong; workflow: 2 turns, the last one answers\n")
 
 
@@ -124,18 +128,60 @@ def test_skill_text_breaks_a_tie_between_mistakes_the_same_way_in_every_process(
     # runs of one seed could show different skills. The earliest of the tied mistakes wins.
     mistakes = [f"the answer '{c}' is wrong" for c in ('rome', 'lima', 'oslo', 'bern', 'kyiv', 'rabat')]
     recs = [("answer x", 0.0, m) for m in mistakes]
-    assert f"mistakes: {mistakes[0]};" in train.skill_text(recs)
-    assert f"mistakes: {mistakes[2]};" in train.skill_text(recs + recs[2:3])  # a count beats order
+    assert f"mistakes: {mistakes[0]};" in methods.skill_text(recs)
+    assert f"mistakes: {mistakes[2]};" in methods.skill_text(recs + recs[2:3])  # a count beats order
 
 
-def test_skillsd_ucb_tries_every_arm_first(env, captured):
+def test_skillsd_arms_are_skills_of_the_latest_successes(env, captured):
     run = fake_run(env, "skillsd")
     fam = env.train_tasks[0].family
-    run.skills[fam] = [(f"answer x{i}", 1.0, "correct") for i in range(5)]
-    eps = [env.reset(t) for t in env.train_tasks[:50] if t.family == fam][:3]
-    texts = train.skillsd_context(run, eps)
-    assert sorted(run.ucb[fam]) == [0, 1, 2] and all(v[0] == 1 for v in run.ucb[fam].values())
-    assert len(set(texts)) == 3  # three arms = three skills built on the 3 latest successes
+    run.state["skills"][fam] = [(f"answer x{i}", 1.0, "correct") for i in range(5)]
+    e = env.reset(next(t for t in env.train_tasks if t.family == fam))
+    texts = []
+    for arm in range(3):
+        run.state["arm"][fam] = arm
+        texts.append(methods.skillsd_context(run, [e])[0])
+    assert [t.split(";")[0] for t in texts] == [f"skill: success pattern: answer x{i}" for i in (2, 3, 4)]
+
+
+def step_of(env, fam_tasks, rewards):
+    """A fake batch: one finished episode per reward, of the given tasks."""
+    eps = [played(env, t, ok) for t, ok in zip(fam_tasks, rewards)]
+    return types.SimpleNamespace(eps=eps)
+
+
+def test_skillsd_bandit_credits_the_arm_whose_update_the_rollouts_followed(env):
+    """The student's rollouts never see a skill, so an arm is judged by the rollouts sampled
+    after the update it shaped: the arm chosen after step t conditions step t+1's teacher, and
+    is credited with the family's success at the family's next step, t+2 (UCB1: unpulled arms
+    first, ties to the lowest)."""
+    run = fake_run(env, "skillsd")
+    fam = env.train_tasks[0].family
+    tasks = [t for t in env.train_tasks if t.family == fam][:4]
+    after = lambda rewards: methods.skillsd_after_step(run, step_of(env, tasks, rewards), None, None)
+    after([1, 1, 1, 0])                   # step 1 used arm 0 (the default); nothing to credit yet
+    s = run.state
+    assert s["ucb"][fam] == {} and s["shaped"][fam] == 0 and s["arm"][fam] == 0   # nothing pulled: arm 0 first
+    after([1, 0, 0, 0])                   # follows step 1's update (arm 0): arm 0 gets 0.25
+    assert s["ucb"][fam] == {0: [1, 0.25]} and s["arm"][fam] == 1                    # an unpulled arm next
+    after([1, 1, 0, 0])                   # follows step 2's update, which used arm 0 again
+    assert s["ucb"][fam] == {0: [2, 0.75]} and s["shaped"][fam] == 1
+    assert s["arm"][fam] == 1             # arm 1's credit is one appearance away: still unpulled
+    after([0, 0, 0, 0])                   # follows step 3's update (arm 1): 0
+    assert s["ucb"][fam] == {0: [2, 0.75], 1: [1, 0.0]} and s["arm"][fam] == 2
+    after([1, 1, 1, 1])                   # follows step 4's update (arm 1 again): 1.0
+    after([1, 1, 1, 1])                   # follows step 5's update (arm 2): 1.0
+    stats = s["ucb"][fam]
+    assert stats == {0: [2, 0.75], 1: [2, 1.0], 2: [1, 1.0]}
+    # all 3 arms (the 3 latest successes) pulled: UCB1 by hand, n = 5 pulls + 1
+    ucb = {a: v[1] / v[0] + math.sqrt(2 * math.log(6) / v[0]) for a, v in stats.items()}
+    assert s["arm"][fam] == max(ucb, key=ucb.get) == 2
+
+
+def test_skillsd_skill_for_a_family_without_records(env, captured):
+    run = fake_run(env, "skillsd")
+    assert methods.skillsd_context(run, [env.reset(env.train_tasks[0])]) == [
+        "skill: success pattern: none yet; mistakes: none seen; workflow: ? turns, the last one answers\n"]
 
 
 def test_is_k3_gradient_is_the_score_function_gradient_of_reverse_kl():
@@ -170,6 +216,91 @@ def test_ema_moves_the_teacher_by_exactly_the_rate():
     assert not any(p.requires_grad and p.grad is not None for p in t.parameters())
 
 
-def test_every_method_is_registered_with_a_group_that_divides_the_default_batch():
-    assert set(train.METHODS) == {"lopd", "grpo", "opsd", "sdpo", "sdft", "skillsd", "trajtext"}
-    assert all(train.Args().batch % m.group == 0 for m in train.METHODS.values())
+@pytest.mark.parametrize("name", list(methods.METHODS))
+def test_every_method_is_well_formed(name):
+    """Its group divides the default batch, its teacher kind is known, its flags are config fields
+    with a help, and its bench entries are valid train.py flags."""
+    m, args = methods.METHODS[name], train.parse_args([])
+    assert args.batch % m.group == 0 and m.teacher in ("frozen", "ema", "live", "none")
+    assert (m.context is None) == (m.teacher == "none")
+    assert all(f.metadata["help"] and hasattr(args, k) for k, f in m.flags.items())
+    for entry, b in m.bench.items():
+        train.parse_args(["--method", name, *b.get("flags", [])])  # exits 2 if a flag is wrong
+    assert all(len(setting) % 2 == 0 for setting in m.tune)
+
+
+# ----------------------------------------------------------------------------- with a tiny real run
+
+TINY = ["--batch", "8", "--warmup_steps", "5", "--warmup_batch", "8", "--eval_tasks", "8", "--teacher_eval", "8",
+        "--d_model", "32", "--n_layer", "1"]
+SETUP = {"init_episodes": "16", "cold_start_steps": "2"}  # for the methods that read them
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")  # one warm-up for every run of this file
+
+
+def tiny_run(out, name, *extra):
+    own = [f for k, v in SETUP.items() if k in methods.METHODS[name].flags for f in (f"--{k}", v)]
+    args = train.parse_args([*TINY, *own, "--method", name, "--out_dir", str(out), "--name", name, *extra])
+    os.makedirs(out / name, exist_ok=True)
+    return train.build(args)
+
+
+def same(a, b):
+    """Deep equality of a method's packed state (tensors by value)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", [n for n, m in methods.METHODS.items() if m.context])
+def test_evaluation_changes_no_state_and_logs_nothing(out, name):
+    """Context builders are pure: evaluation (which calls them on held-out tasks) leaves the
+    method's state (bank, φ, β, skills, bandit) as it was, and what a training step logged
+    (e.g. family_hit) is averaged over training retrievals only."""
+    import copy
+    run = tiny_run(out, name)
+    for _ in range(2):
+        train.train_step(run)
+    before, logged = copy.deepcopy(bk.pack(run.state)), copy.deepcopy(run.log)
+    m = train.evaluate(run)
+    assert same(bk.pack(run.state), before)
+    assert "teacher_success" in m
+    for k, v in logged.items():
+        if k not in ("loss", "reward", "skipped"):
+            vals = [x for x in v if not math.isnan(x)]
+            assert m[k] == (float(np.mean(vals)) if vals else None), k
+
+
+def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out, monkeypatch):
+    """The bank holds only task A (3 copies), so A retrieves nothing (its own instance is
+    forbidden) and B retrieves A's: A's rollout gets no teacher, and the student and composer
+    losses equal those of B's rollout alone."""
+    run = tiny_run(out, "lopd")
+    a, b = run.env.train_tasks[0], next(t for t in run.env.train_tasks if t.family == run.env.train_tasks[0].family
+                                         and t.task_id != run.env.train_tasks[0].task_id)
+    win = played(run.env, a, True)
+    run.state["bank"] = methods.new_bank(run)
+    run.state["bank"].add([retrieval.Experience(a.task_id, a.family, a.prompt, run.env.trajectory_text(win), 1.0)] * 3)
+    torch.manual_seed(0)
+    eps, bodies, masks = train.rollout(run.model, run.tok, run.env, [a, b])
+    batch = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, "cpu"), torch.tensor([1.0, 0.0]))
+    teacher = train.teacher_phase(run, batch)
+    assert teacher.keep.tolist() == [False, True] and teacher.context[0] is None
+    assert teacher.context.z.shape[0] == run.args.J * run.args.K                       # B's latents only
+    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, 2), batch.ids, batch.attn)
+    only_b = lopd.distill_loss(logits_s[1:], teacher.logits[1:], batch.amask[1:], "rkl")
+    torch.testing.assert_close(methods.distill(run, batch, logits_s, teacher), only_b)
+    seen = []
+    monkeypatch.setattr(methods, "optimizer_step", lambda run, opt, loss, module: seen.append(loss))
+    methods.composer_phase(run, batch, logits_s.detach(), teacher)
+    want, _, _ = lopd.composer_loss(logits_s.detach()[1:], teacher.logits[1:], batch.ids[1:], batch.amask[1:],
+                                    batch.reward[1:], 0.0, run.args.margin, run.args.lam, teacher.context.z,
+                                    teacher.context.z0)
+    torch.testing.assert_close(seen[0], want)

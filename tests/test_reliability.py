@@ -3,9 +3,9 @@ then resumed ends with exactly the metrics of an uninterrupted run; injected NaN
 and counted and never reach the weights; repeated skips stop the run; an out-of-memory
 error names the knobs; a changed flag on --resume and a mismatched checkpoint are one line.
 
-The kills come from the test hook TRAIN_SELF_SIGNAL=<step>:<KILL|TERM> (train.self_signal),
-so they land at a known step between two checkpoints, not at a time that depends on the
-machine's speed."""
+The kills come from tests/faults.py (train.py has no test hooks): it wraps train.train_step so
+that the process signals itself right after a given step, between two checkpoints, at a step
+that does not depend on the machine's speed. The NaNs come from a wrapped method loss."""
 import json
 import math
 import os
@@ -17,24 +17,28 @@ import pytest
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import bookkeeping as bk  # noqa: E402
+import faults  # noqa: E402
+import methods  # noqa: E402
 import train  # noqa: E402
 
 torch.set_num_threads(1)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8", "--init_episodes", "16",
-        "--cold_start_steps", "2", "--eval_every", "2", "--eval_tasks", "24", "--teacher_eval", "8",
-        "--d_model", "32", "--n_layer", "1"]
+TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8", "--eval_every", "2", "--eval_tasks", "24",
+        "--teacher_eval", "8", "--d_model", "32", "--n_layer", "1"]
+LOPD_SETUP = ["--init_episodes", "16", "--cold_start_steps", "2"]
 # LOPD holds the most state (composer, φ's optimizer, β, the bank); 16 bank-filling
 # episodes + 6 steps of 16, checkpoints at steps 0, 2, 4, 6
-RUN = [*TINY, "--method", "lopd", "--episodes", "112"]
+RUN = [*TINY, *LOPD_SETUP, "--method", "lopd", "--episodes", "112"]
 
 
 def launch(args, out_dir, name, signal_at=None):
-    env = {**ENV, **({"TRAIN_SELF_SIGNAL": signal_at} if signal_at else {})}
+    """python tests/faults.py [--signal STEP:SIG] -- ARGS: train.py with a self-signal after a step."""
     log = open(out_dir / f"{name}.log", "w")
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "tests/faults.py", *(["--signal", signal_at] if signal_at else []), "--", *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return p
 
@@ -78,8 +82,8 @@ def test_the_interruptions_happened_where_asked(runs):
     assert "resumed at step 2, 48 episodes" in res["kill-resumed"][1], res["kill-resumed"][1][-3000:]
     assert "resumed at step 3, 64 episodes" in res["term-resumed"][1], res["term-resumed"][1][-3000:]
     # the first run built the cold start, the others loaded it: the equalities below cover the cache too
-    assert "cold start: cached" not in res["whole"][1] and "\ncold start: " in res["whole"][1]
-    assert "cold start: cached" in res["kill"][1] and "cold start: cached" in res["term"][1]
+    assert "setup: cached" not in res["whole"][1] and "\nsetup: " in res["whole"][1]
+    assert "setup: cached" in res["kill"][1] and "setup: cached" in res["term"][1]
 
 
 @pytest.mark.parametrize("name", ["kill", "term"])
@@ -96,28 +100,28 @@ def test_a_resumed_run_ends_with_the_metrics_of_an_uninterrupted_one(runs, name)
         assert s_resumed[k] == s_whole[k], k
     a = torch.load(out / "whole" / "ckpt.pt", map_location="cpu", weights_only=False)
     b = torch.load(out / name / "ckpt.pt", map_location="cpu", weights_only=False)
-    for part in ["model", "composer"]:
-        for k in a[part]:
-            assert torch.equal(a[part][k], b[part][k]), (part, k)
-    assert a["beta"] == b["beta"] and a["bank"] == b["bank"]
+    for x, y in [(a["model"], b["model"]), (a["state"]["composer"], b["state"]["composer"]),
+                 (a["state"]["composer0"], b["state"]["composer0"])]:
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert a["state"]["beta"] == b["state"]["beta"] and a["state"]["bank"] == b["state"]["bank"]
 
 
 def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, tmp_path, capsys):
     """--margin 0 differs from LOPD only after the cold start, so it loads the one LOPD built;
     run again where no cache exists (same warm-up), it builds its own: same numbers."""
     out, _ = runs
-    ablation = [*TINY, "--method", "lopd", "--margin", "0", "--episodes", "48"]
+    ablation = [*TINY, *LOPD_SETUP, "--method", "lopd", "--margin", "0", "--episodes", "48"]
     train.main([*ablation, "--out_dir", str(out), "--name", "m0-cached"])
-    assert "cold start: cached" in capsys.readouterr().out
+    assert "setup: cached" in capsys.readouterr().out
     for f in out.glob("warmup-*.pt"):
         (tmp_path / f.name).write_bytes(f.read_bytes())
     train.main([*ablation, "--out_dir", str(tmp_path), "--name", "m0-built"])
-    assert "cold start: cached" not in capsys.readouterr().out
+    assert "setup: cached" not in capsys.readouterr().out
     assert metrics(out / "m0-cached") == metrics(tmp_path / "m0-built")
     # a knob the cold start reads is part of the key: a new cold start, not the cached one
-    train.main([*TINY, "--method", "lopd", "--cold_start_steps", "3", "--episodes", "16", "--out_dir", str(out),
-                "--name", "other-cold-start"])
-    assert "cold start: cached" not in capsys.readouterr().out
+    train.main([*TINY, "--init_episodes", "16", "--method", "lopd", "--cold_start_steps", "3", "--episodes", "16",
+                "--out_dir", str(out), "--name", "other-cold-start"])
+    assert "setup: cached" not in capsys.readouterr().out
 
 
 def test_resume_refuses_a_changed_flag(runs, capsys):
@@ -155,8 +159,15 @@ def finite(run_dir):
     return all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
-def test_injected_nans_are_skipped_and_counted(tmp_path, capsys):
-    train.main([*GRPO, "--out_dir", str(tmp_path), "--inject_nan", "2,5"])
+def nan_at(monkeypatch, steps):
+    """GRPO's loss, made NaN in those steps (from outside: train.py has no test hook)."""
+    grpo = methods.METHODS["grpo"]
+    monkeypatch.setattr(grpo, "loss", faults.nan_loss(grpo.loss, steps))
+
+
+def test_injected_nans_are_skipped_and_counted(tmp_path, capsys, monkeypatch):
+    nan_at(monkeypatch, {2, 5})
+    train.main([*GRPO, "--out_dir", str(tmp_path)])
     run = tmp_path / "grpo-tooluse-s0"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["skipped_updates"] == 2
@@ -166,9 +177,10 @@ def test_injected_nans_are_skipped_and_counted(tmp_path, capsys):
     assert capsys.readouterr().err.count("non-finite loss, update skipped") == 2
 
 
-def test_repeated_skips_stop_the_run(tmp_path, capsys):
+def test_repeated_skips_stop_the_run(tmp_path, capsys, monkeypatch):
+    nan_at(monkeypatch, {2, 3, 4})
     with pytest.raises(SystemExit) as e:
-        train.main([*GRPO, "--out_dir", str(tmp_path), "--inject_nan", "2,3,4", "--max_skips", "3"])
+        train.main([*GRPO, "--out_dir", str(tmp_path), "--max_skips", "3"])
     assert e.value.code == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "stopped in step 4" in last and "3 updates in a row" in last and "--lr" in last, last
@@ -177,9 +189,9 @@ def test_repeated_skips_stop_the_run(tmp_path, capsys):
 
 class FakeRun:
     def __init__(self, model):
-        self.model, self.step, self.nan_steps, self.skips_in_a_row = model, 0, set(), 0
+        self.model, self.step, self.skips_in_a_row = model, 0, 0
         self.log = {"skipped": []}
-        self.args = train.Args()
+        self.args = train.parse_args([])
 
 
 def test_a_non_finite_gradient_with_a_finite_loss_is_skipped():
@@ -190,10 +202,10 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped():
     x = torch.zeros(1, 2)
     loss = torch.sqrt(model(x).abs() * 0)[0, 0]  # = 0, but d sqrt(u)/du at 0 is inf
     assert math.isfinite(loss.item())
-    train.optimizer_step(run, opt, loss, model)
+    bk.optimizer_step(run, opt, loss, model)
     assert run.log["skipped"] == [1]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    train.optimizer_step(run, opt, (model(x + 1) ** 2).sum(), model)  # a good step goes through
+    bk.optimizer_step(run, opt, (model(x + 1) ** 2).sum(), model)  # a good step goes through
     assert run.log["skipped"] == [1] and run.skips_in_a_row == 0
     assert not torch.equal(before["bias"], model.state_dict()["bias"])
 
@@ -215,3 +227,52 @@ def test_bf16_autocast_runs_and_stays_finite(tmp_path):
     summary = json.loads((tmp_path / "grpo-tooluse-s0" / "summary.json").read_text())
     assert summary["skipped_updates"] == 0 and 0 <= summary["final_success"] <= 1
     assert finite(tmp_path / "grpo-tooluse-s0")
+
+
+# ----------------------------------------------------------------------------- run folders and caches
+
+GRPO16 = [*TINY, "--method", "grpo", "--episodes", "16"]
+
+
+def test_a_new_run_never_replaces_a_finished_or_resumable_one(tmp_path, capsys):
+    train.main([*GRPO16, "--out_dir", str(tmp_path)])
+    run = tmp_path / "grpo-tooluse-s0"
+    first = (run / "summary.json").read_text()
+    capsys.readouterr()
+    for state in ["finished", "resumable"]:
+        with pytest.raises(SystemExit) as e:
+            train.main([*GRPO16, "--out_dir", str(tmp_path), "--lr", "3e-4"])
+        assert e.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"holds a {state} run" in lines[0], lines
+        assert all(w in lines[0] for w in ["--resume", "--name", "--overwrite"]), lines[0]
+        assert (run / "summary.json").read_text() == first if state == "finished" else True
+        (run / "summary.json").unlink()  # a run stopped before its end: a checkpoint, no summary
+    train.main([*GRPO16, "--out_dir", str(tmp_path), "--lr", "3e-4", "--overwrite"])
+    assert json.loads((run / "config.json").read_text())["lr"] == 3e-4
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the old run's lines are gone
+
+
+@pytest.mark.parametrize("what", ["warm-up", "setup"])
+def test_a_corrupt_cache_is_reported_in_one_line_and_rebuilt(runs, tmp_path, capsys, what):
+    """A torn or garbage cache file (warm-up or cold start): one line on stderr, then it is
+    rebuilt, and the run's numbers are those of a run that built it from nothing."""
+    out, _ = runs
+    args = [*TINY, *LOPD_SETUP, "--method", "lopd", "--margin", "0", "--episodes", "32", "--out_dir", str(tmp_path)]
+    for f in out.glob("warmup-*.pt"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    train.main([*args, "--name", "clean"])
+    pattern = "warmup-*.pt" if what == "warm-up" else "setup-*.pt"
+    (cache,) = tmp_path.glob(pattern)
+    good = torch.load(cache, weights_only=False)
+    cache.write_bytes(b"not a cache" + cache.read_bytes()[:100])
+    capsys.readouterr()
+    train.main([*args, "--name", "again"])
+    out_, err = capsys.readouterr()
+    broken = [line for line in err.splitlines() if "unreadable" in line]
+    assert len(broken) == 1 and str(cache) in broken[0] and "rebuilding" in broken[0] and "Traceback" not in err
+    assert f"{what}: {cache}" in out_  # rebuilt, not loaded
+    assert metrics(tmp_path / "again") == metrics(tmp_path / "clean")
+    rebuilt = torch.load(cache, weights_only=False)
+    key = "model" if what == "warm-up" else "state"
+    assert repr(rebuilt[key].keys()) == repr(good[key].keys())

@@ -1,4 +1,4 @@
-"""Plumbing with a tiny model: train.rollout / train.generate (KV cache, left padding,
+"""Plumbing with a tiny model: train.rollout / M.generate (KV cache, left padding,
 teacher prefixes) and the agent-token masks they return.
 
 A d=32 Llama is fitted for a few seconds on scripted-expert demos so that its rollouts
@@ -30,9 +30,9 @@ def setup():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     for _ in range(100):  # ~4 s: enough to emit <|eot|> and mostly well-formed calls
         demos = [envs.play(env, t, env.demo(t, rng)) for t in rng.sample(env.train_tasks, 32)]
-        seqs, masks = zip(*[train.encode_episode(tok, e) for e in demos])
-        ids, amask, attn = train.pad_batch(seqs, masks, tok.pad, "cpu")
-        logits = train.logits_on(m, train.bos_prefix(m, tok, len(seqs)), ids, attn)
+        seqs, masks = zip(*[M.encode_episode(tok, e) for e in demos])
+        ids, amask, attn = M.pad_batch(seqs, masks, tok.pad, "cpu")
+        logits = M.logits_on(m, M.bos_prefix(m, tok, len(seqs)), ids, attn)
         loss = lopd.masked_mean(-lopd.token_logp(logits, ids), amask)
         opt.zero_grad()
         loss.backward()
@@ -57,7 +57,7 @@ def check_episode(tok, env, ep, body, mask):
     episode ended, the observation (mask 0). Nothing else is masked in or out."""
     assert len(body) == len(mask) and ep.done and 1 <= len(ep.turns) <= env.max_turns
     parts = runs(body, mask)
-    assert parts[0] == (0, train.obs_ids(tok, ep.task.prompt))
+    assert parts[0] == (0, M.obs_ids(tok, ep.task.prompt))
     agent = [p for m, p in parts if m == 1]
     obs = [p for m, p in parts[1:] if m == 0]
     assert len(agent) == len(ep.turns)  # one generated run per turn
@@ -67,20 +67,20 @@ def check_episode(tok, env, ep, body, mask):
         text = tok.decode([t for t in gen if t != tok.eot])
         assert text.strip()[:2 * envs.MAX_ACTION_CHARS] == action  # what the env saw
         if k < len(ep.turns) - 1:
-            assert obs[k] == train.obs_ids(tok, o) and o  # the env's observation, unmasked
+            assert obs[k] == M.obs_ids(tok, o) and o  # the env's observation, unmasked
     assert len(obs) == len(ep.turns) - 1  # no observation after the last turn
 
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_rollout_masks_are_exactly_the_generated_tokens(setup, monkeypatch, greedy):
     tok, env, m = setup
-    real = train.generate
+    real = M.generate
 
     def spy(*a, **kw):  # record what generate returned, call by call
         spy.calls.append(real(*a, **kw))
         return spy.calls[-1]
     spy.calls = []
-    monkeypatch.setattr(train, "generate", spy)
+    monkeypatch.setattr(M, "generate", spy)
     torch.manual_seed(0)
     tasks = env.eval_tasks[:30]
     eps, bodies, masks = train.rollout(m, tok, env, tasks, greedy=greedy)
@@ -103,7 +103,7 @@ def test_rollout_masks_are_exactly_the_generated_tokens(setup, monkeypatch, gree
         agent = [p for a, p in runs(body, mask) if a == 1]
         if all(p[-1] == tok.eot and tok.encode(tok.decode(p[:-1])) == p[:-1] and tok.decode(p[:-1]).strip()
                == tok.decode(p[:-1]) for p in agent):
-            assert train.encode_episode(tok, ep) == (body, mask)
+            assert M.encode_episode(tok, ep) == (body, mask)
             same += 1
     assert same >= 5  # the fitted model does close its turns
 
@@ -144,15 +144,15 @@ def test_generate_with_teacher_prefixes_matches_naive_decoding(setup):
     m = copy.deepcopy(m).double()
     tasks = env.eval_tasks[:4]
     texts = [f"reference solution: {t.solution}\n" for t in tasks[:3]] + [""]
-    prefixes = train.text_prefix(m, tok, texts)                       # <|bos|><|ctx|> text, lengths differ
-    bodies = [train.obs_ids(tok, t.prompt) for t in tasks]
-    bodies[1] = bodies[1] + tok.encode("city(bo)") + [tok.eot] + train.obs_ids(tok, "rome")  # a later turn
+    prefixes = M.text_prefix(m, tok, texts)                       # <|bos|><|ctx|> text, lengths differ
+    bodies = [M.obs_ids(tok, t.prompt) for t in tasks]
+    bodies[1] = bodies[1] + tok.encode("city(bo)") + [tok.eot] + M.obs_ids(tok, "rome")  # a later turn
     assert len({p.shape[0] + len(b) for p, b in zip(prefixes, bodies)}) == 4
-    outs = train.generate(m, tok, prefixes, bodies, env.max_action_tokens, greedy=True)
+    outs = M.generate(m, tok, prefixes, bodies, env.max_action_tokens, greedy=True)
     for p, b, o in zip(prefixes, bodies, outs):
         assert o == naive_greedy(m, p, b, env.max_action_tokens, tok.eot)
     # the context matters: without it the same bodies decode differently somewhere
-    plain = train.generate(m, tok, train.bos_prefix(m, tok, 4), bodies, env.max_action_tokens, greedy=True)
+    plain = M.generate(m, tok, M.bos_prefix(m, tok, 4), bodies, env.max_action_tokens, greedy=True)
     for b, o in zip(bodies, plain):
         assert o == naive_greedy(m, M.embed(m, torch.tensor([tok.bos])), b, env.max_action_tokens, tok.eot)
     assert plain != outs

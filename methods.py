@@ -1,0 +1,434 @@
+"""The methods: what each one's teacher is shown, how its student learns, what it keeps.
+
+train.py runs every method through the same steps (its docstring numbers them):
+
+    rollout -> teacher_phase -> student_phase -> after_step
+               method.context   method.loss     method.after_step
+
+A method is one `Method(...)` record, registered by name in METHODS. Its block below holds
+everything that is its own: the context builder (pure: evaluation calls it too, so it may
+read but never change state), its loss, its state (created by `state`, saved in ckpt.pt
+and restored whatever it holds), a one-time `setup`, an `after_step` hook, the flags only it
+reads, and its bench entries and tuning grid. A forker adds a variant by registering one
+more record, from this file or from their own (tests/test_fork.py does it from outside).
+
+References: GRPO, Shao et al. 2024 (DeepSeekMath); OPSD, Zhao et al. 2026 ("Self-Distilled
+Reasoner"); SDPO, Hübotter et al. 2026 ("RL via Self-Distillation"); SDFT, Shenfeld et al.
+2026 ("Self-Distillation Enables Continual Learning"); Skill-SD, Wang et al. 2026
+(arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 2608.13040).
+"""
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import envs
+import lopd
+import model as M
+import retrieval
+from bookkeeping import arg, optimizer_step
+
+
+@dataclass
+class Batch:
+    """One step's rollouts, as every hook receives them."""
+    eps: list              # B envs.Episode
+    ids: torch.Tensor      # (B, T) the trajectories' tokens, right-padded
+    amask: torch.Tensor    # (B, T) 1 on tokens the agent generated
+    attn: torch.Tensor     # (B, T) 1 on real tokens
+    reward: torch.Tensor   # (B,) 0/1
+
+
+@dataclass
+class Teacher:
+    """What train.teacher_phase hands the loss and the after-step hook."""
+    logits: torch.Tensor   # (B, T, V) π_T(· | c, x, y<t) at every position of every trajectory
+    keep: torch.Tensor     # (B,) bool: False where the method gave the rollout no context (masked out)
+    context: list          # what method.context returned (LOPD's also carries z, z0 and what was retrieved)
+
+
+class Prefixes(list):
+    """A context builder's answer: one teacher prefix (P_i, d) per rollout, or None for a rollout
+    that gets no teacher, plus, as attributes, whatever else the same pass made that a loss or
+    hook needs (LOPD: the latents z with φ's graph, their cold-start z0, what was retrieved)."""
+
+    def __init__(self, prefixes, **extra):
+        super().__init__(prefixes)
+        self.__dict__.update(extra)
+
+
+@dataclass
+class Method:
+    """One on-policy method. Every field is a keyword; only `loss` is required."""
+    loss: Callable                       # (run, batch, logits_s, teacher) -> scalar loss for θ
+    context: Optional[Callable] = None   # (run, episodes) -> a teacher prefix per rollout (None: no teacher); pure
+    teacher: str = 'frozen'              # the teacher's weights: 'frozen' θ0, 'ema' of θ, 'live' θ, or 'none'
+    divergence: str = 'rkl'              # D of the distillation loss, unless --divergence says otherwise
+    group: int = 1                       # rollouts per task in a batch
+    lr: float = 1e-3                     # student learning rate, unless --lr says otherwise
+    state: Callable = lambda run: {}     # (run) -> dict of the method's own state (anything with state_dict, or plain data)
+    setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
+    after_step: Optional[Callable] = None  # (run, batch, logits_s, teacher) -> dict of numbers to log
+    flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
+    bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool)
+    tune: list = field(default_factory=lambda: [[]])  # bench.py --tune: settings (flag lists), the default first
+
+
+METHODS: dict = {}
+
+
+def register(name, method):
+    """Add a method under a name (bench's entry of the same name is added unless it has one)."""
+    method.bench = method.bench or {name: {}}
+    METHODS[name] = method
+    return method
+
+
+def readers(flag):
+    """The methods that read a method flag, e.g. 'J' -> ['lopd', 'trajtext']."""
+    return [n for n, m in METHODS.items() if flag in m.flags]
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+def solution_text(task):
+    return f'reference solution: {task.solution}\n'
+
+
+def experiences_text(texts):
+    return 'past: ' + '\n'.join(texts) + '\n'
+
+
+DISTILL_FLAGS = {  # read by every method whose loss is the distillation loss
+    'divergence': arg('', "distillation divergence D ('' = the method's)", choices=['rkl', 'fkl', 'jsd'], after_setup=True),
+    'topk': arg(0, 'distil over the teacher top-k + one tail bucket (0 = full vocabulary)', lo=0, after_setup=True),
+}
+TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is trained against θ0 only)
+    'teacher': arg('', "the teacher's weights ('' = the method's)", choices=['frozen', 'ema', 'live'], after_setup=True),
+    'ema_rate': arg(0.05, 'rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ', lo=0, open_lo=True, hi=1,
+                    after_setup=True),
+}
+BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
+    'J': arg(3, 'experiences retrieved per task', lo=1),
+    'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
+    'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
+    'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
+}
+DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
+
+
+def distill(run, b, logits_s, teacher):
+    """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A| over the rollouts that got a teacher."""
+    mask = b.amask * teacher.keep[:, None].to(b.amask)
+    return lopd.distill_loss(logits_s, teacher.logits, mask, run.args.divergence or run.method.divergence, run.args.topk)
+
+
+def grpo_loss(run, b, logits_s, teacher=None, eps_hi=0.2):
+    """PPO-clip with the group advantage (r − mean)/std, one epoch (so the ratio is 1)."""
+    logp = lopd.token_logp(logits_s, b.ids)
+    return lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(b.reward, run.method.group), b.amask, 0.2, eps_hi)
+
+
+def new_bank(run):
+    return retrieval.ExperienceBank(retrieval.hashing_embedder(), run.args.bank_capacity, run.args.allow_same_task)
+
+
+def retrieve(run, tasks):
+    """Step 2: top-J successful experiences of similar tasks (never this task, by default)."""
+    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
+
+
+def write_back(run, eps):
+    """Step 7: successful rollouts join the bank (the bank keeps only reward > 0)."""
+    run.state['bank'].add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt,
+                                                run.env.trajectory_text(e), e.reward) for e in eps])
+
+
+def fill_bank(run, rollout):
+    """Before training: base rollouts fill the bank (they count toward the budget). -> the successes."""
+    a, wins = run.args, []
+    for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
+        with run.timer('rollout'):
+            eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
+        run.episodes += len(eps)
+        write_back(run, eps)
+        wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
+    return wins
+
+
+def family_hit(run, eps, found):
+    """Diagnostic: the fraction of retrieved experiences from the query's own family (training only)."""
+    return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)
+
+
+# ----------------------------------------------------------------------------- LOPD (Zhang et al. 2026)
+# One step: retrieve -> compose -> teacher phase -> student phase -> composer phase -> write back.
+
+def lopd_state(run):
+    """φ, its cold-start copy φ0 (for the anchor), φ's optimizer, the multiplier β, the bank."""
+    emb = run.model.get_input_embeddings().weight
+    composer = lopd.Composer(emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
+    return {'bank': new_bank(run), 'composer': composer, 'composer0': copy.deepcopy(composer).requires_grad_(False),
+            'opt_phi': torch.optim.AdamW(composer.parameters(), lr=lr_phi(run), weight_decay=0.0), 'beta': 0.0}
+
+
+def lr_phi(run):
+    return run.args.lr_composer or run.args.lr or run.method.lr  # the paper: lr_φ = lr_θ
+
+
+def compose(run, tasks, found, grad):
+    """Step 3: the frozen base reads 'task to solve: x / reference past trajectory: m_j'; φ maps
+    its hidden states to K latents per experience. -> z with φ's graph if grad, z0 (ΣN·K, d)."""
+    d = run.teacher.get_input_embeddings().weight.shape[1]
+    heads = [run.tok.encode(f'task to solve: {t.prompt}\nreference past trajectory: ') for t, f in zip(tasks, found) for _ in f]
+    bodies = [run.tok.encode(m.text)[:200] for f in found for m in f]
+    if not heads:
+        empty = torch.zeros(0, d, device=run.device)
+        return empty, empty
+    # we pool over the experience's own tokens only (read in the light of the task): pooled
+    # over the framing too, the first segments would describe the framing, not the plan
+    ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
+                                  [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
+    s = run.state
+    with torch.no_grad():
+        h = M.hidden(run.teacher, ids, attn)                                    # (N, L, d) frozen reading
+        z0 = s['composer0'](h, pool)                                            # (N, K, d) the anchor's target
+    with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
+        z = s['composer'](h, pool)                                              # (N, K, d)
+    return z.reshape(-1, d), z0.reshape(-1, d)
+
+
+def latents(run, eps, grad):
+    """Steps 2-3 -> Prefixes <|bos|> z_1 … z_{J·K} per rollout (None: nothing was retrieved)."""
+    tasks = [e.task for e in eps]
+    found = retrieve(run, tasks)
+    z, z0 = compose(run, tasks, found, grad)
+    # no framing text around the latents: our base never saw text before the task, and
+    # framing ("<|ctx|>past: … \n") cost the cold-started teacher 0.58 -> 0.22 held-out
+    # success in our measurement, so the latents follow <|bos|> directly
+    head = M.embed(run.teacher, torch.tensor([run.tok.bos], device=run.device))
+    prefixes, k = [], 0
+    for f in found:
+        n = len(f) * run.args.K
+        prefixes.append(torch.cat([head, z[k:k + n]]) if f else None)
+        k += n
+    return Prefixes(prefixes, z=z, z0=z0, found=found)
+
+
+def lopd_context(run, eps):
+    """LOPD's teacher context: latents composed from retrieved experiences (φ's graph kept for the composer phase)."""
+    return latents(run, eps, grad=not run.args.frozen_composer)
+
+
+def composer_phase(run, b, logits_s, teacher):
+    """Step 6: one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², then β ← max(0, β + η_β(m − Δ)).
+    Rollouts without retrieved experiences carry no latents and are left out, as in the student phase."""
+    a, s, keep = run.args, run.state, teacher.keep.to(run.device)
+    loss, delta, anchor = lopd.composer_loss(logits_s[keep], teacher.logits[keep], b.ids[keep], b.amask[keep],
+                                             b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0)
+    optimizer_step(run, s['opt_phi'], loss, s['composer'])
+    s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
+    return {'delta': float(delta), 'anchor': float(anchor)}
+
+
+def lopd_after_step(run, b, logits_s, teacher):
+    logs = {'family_hit': family_hit(run, b.eps, teacher.context.found)}
+    if not run.args.frozen_composer:  # the ablation keeps φ at its cold start
+        with run.timer('composer'):
+            logs.update(composer_phase(run, b, logits_s, teacher))
+    write_back(run, b.eps)
+    return logs
+
+
+def cold_start(run, rollout):
+    """Fill the bank with base rollouts, then pre-train φ by maximising the frozen teacher's
+    likelihood of successful trajectories given the latents of their retrieved experiences."""
+    wins, s = fill_bank(run, rollout), run.state
+    opt = torch.optim.AdamW(s['composer'].parameters(), lr=lr_phi(run))
+    for _ in (bar := tqdm(range(run.args.cold_start_steps if wins else 0), desc='cold start', dynamic_ncols=True)):
+        with run.timer('cold_start'):
+            eps, bodies, masks = zip(*run.rng.sample(wins, min(32, len(wins))))
+            ids, amask, attn = M.pad_batch(bodies, masks, run.tok.pad, run.device)
+            ctx = latents(run, eps, grad=True)
+            keep = torch.tensor([p is not None for p in ctx], device=run.device)
+            logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
+            loss = lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
+            optimizer_step(run, opt, loss, s['composer'])
+        bar.set_postfix(nll=f'{loss.item():.3f}')
+    s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
+
+
+def with_default(run, prefixes):
+    """None (no context for this rollout) -> the context-free <|bos|> prefix."""
+    return [p if p is not None else M.bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
+
+
+register('lopd', Method(
+    distill, context=lopd_context, teacher='frozen', group=1, lr=1e-3,
+    state=lopd_state, setup=cold_start, after_step=lopd_after_step,
+    flags={**DISTILL_FLAGS, **BANK_FLAGS,
+           'K': arg(4, 'latent tokens per retrieved experience', lo=1),
+           'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
+           'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
+           'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
+           'lr_composer': arg(0.0, 'composer learning rate (0 = the student lr)', lo=0),
+           'cold_start_steps': arg(300, 'composer pre-training steps (teacher NLL of successes)', lo=0),
+           'frozen_composer': arg(False, 'ablation: keep φ at its cold start (no composer phase)', after_setup=True)},
+    bench={'lopd': dict(cost=670, quick=True),
+           'lopd-frozen': dict(flags=['--frozen_composer'], cost=280, quick=True),
+           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True)},
+    tune=DISTILL_LR))
+
+
+# ----------------------------------------------------------------------------- GRPO (Shao et al. 2024)
+
+register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4, bench={'grpo': dict(cost=160, quick=True)},
+                        tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']]))
+
+
+# ----------------------------------------------------------------------------- OPSD (Zhao et al. 2026)
+
+def opsd_context(run, eps):
+    """OPSD: the frozen base is shown this task's reference solution."""
+    return M.text_prefix(run.teacher, run.tok, [solution_text(e.task) for e in eps])
+
+
+register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='jsd', group=1, lr=1e-3,
+                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'opsd': dict(cost=550, quick=True)},
+                        tune=DISTILL_LR))
+
+
+# ----------------------------------------------------------------------------- SDPO (Hübotter et al. 2026)
+
+def sdpo_context(run, eps):
+    """SDPO: a successful sibling rollout of the same task (never the rollout itself), else
+    the environment's feedback on this attempt; a rollout with neither gets no teacher."""
+    G, texts = run.method.group, []
+    for i, e in enumerate(eps):
+        g = i - i % G                                                           # first rollout of i's group
+        sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.reward > 0), None)
+        texts.append(experiences_text([run.env.trajectory_text(sib)]) if sib else
+                     f'feedback: {e.feedback}\n' if e.feedback else None)
+    return [M.text_prefix(run.teacher, run.tok, [t])[0] if t else None for t in texts]
+
+
+register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, lr=1e-3,
+                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'sdpo': dict(cost=220)},
+                        tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']]))
+
+
+# ----------------------------------------------------------------------------- SDFT (Shenfeld et al. 2026)
+
+def sdft_context(run, eps):
+    """SDFT: the model shown a demonstration of this very task (the scripted expert's)."""
+    demos = [envs.play(run.env, e.task, run.env.demo(e.task, random.Random(0))) for e in eps]
+    return M.text_prefix(run.teacher, run.tok, [experiences_text([run.env.trajectory_text(d)]) for d in demos])
+
+
+register('sdft', Method(distill, context=sdft_context, teacher='live', group=1, lr=1e-3,
+                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'sdft': dict(cost=630)}, tune=DISTILL_LR))
+
+
+# ----------------------------------------------------------------------------- Skill-SD (Wang et al. 2026)
+# The teacher (synced to the student) reads a "skill" summarised from the agent's own finished
+# trajectories of the task's family. A family's arms are skills built on its 3 latest
+# successes; UCB1 picks one per family. The student's rollouts never see a skill, so an arm can
+# only be judged by what it did: the arm that shaped step t's update is credited with the
+# family's success in the rollouts of its next appearance, sampled after that update.
+
+def skill_text(records):
+    """Skill-SD's summariser, as a deterministic template over a family's stored trajectories
+    [(text, reward, feedback)]: a success pattern, the commonest mistake, the workflow.
+    e.g. 'skill: success pattern: city(bo) -> oslo; answer oslo; mistakes: none seen;
+    workflow: 2 turns, the last one answers'."""
+    wins = [r for r in records if r[1] > 0]
+    fails = [r[2] for r in records if r[1] == 0 and r[2]]
+    pattern = wins[-1][0] if wins else 'none yet'
+    mistake = max(fails, key=fails.count) if fails else 'none seen'   # a tie: the earliest (set order is hash-seeded)
+    turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
+    return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
+
+
+def arms(records):
+    """A family's arms: the indices of its 3 latest successes (one arm, all records, before any)."""
+    return [i for i, r in enumerate(records) if r[1] > 0][-3:] or [len(records)]
+
+
+def skill_of(records, arm):
+    """The skill of one arm: the summary of the records up to that arm's success (the last 50)."""
+    wins = arms(records)
+    upto = wins[min(arm, len(wins) - 1)] + 1
+    return skill_text(records[:upto][-50:])
+
+
+def ucb1(stats, n_arms):
+    """UCB1: the arm maximising mean reward + sqrt(2 ln n / pulls); an unpulled arm first, ties to the lowest."""
+    n = sum(v[0] for v in stats.values()) + 1
+    return max(range(n_arms), key=lambda a: float('inf') if a not in stats else
+               stats[a][1] / stats[a][0] + math.sqrt(2 * math.log(n) / stats[a][0]))
+
+
+def skillsd_context(run, eps):
+    """Skill-SD: the skill text of the task's family, from the arm its bandit chose last."""
+    s = run.state
+    texts = [skill_of(s['skills'].get(e.task.family, []), s['arm'].get(e.task.family, 0)) for e in eps]
+    return M.text_prefix(run.teacher, run.tok, texts)
+
+
+def skillsd_loss(run, b, logits_s, teacher):
+    """GRPO (PPO-clip, ε 0.2 / 0.28) + λ × importance-weighted sampled-token k3 reverse KL
+    toward the skill-prompted teacher."""
+    logp = lopd.token_logp(logits_s, b.ids)
+    k3 = lopd.is_k3_loss(logp, logp.detach(), lopd.token_logp(teacher.logits, b.ids), b.amask)
+    return grpo_loss(run, b, logits_s, eps_hi=0.28) + run.args.k3_coef * k3
+
+
+def skillsd_after_step(run, b, logits_s, teacher):
+    """Credit each family's last arm with its success now, store the trajectories, pick the next arm."""
+    s, rewards = run.state, {}
+    for e in b.eps:
+        rewards.setdefault(e.task.family, []).append(e.reward)
+    for e in b.eps:  # Skill-SD's store: every finished trajectory of the family, kept short
+        s['skills'].setdefault(e.task.family, []).append((run.env.trajectory_text(e), e.reward, e.feedback))
+        del s['skills'][e.task.family][:-50]
+    for f, r in rewards.items():
+        stats = s['ucb'].setdefault(f, {})                                     # arm -> [pulls, total reward]
+        if f in s['shaped']:                                                   # these rollouts followed its update
+            pulls, total = stats.get(s['shaped'][f], [0, 0.0])
+            stats[s['shaped'][f]] = [pulls + 1, total + float(np.mean(r))]
+        s['shaped'][f] = s['arm'].get(f, 0)                                    # the arm this step's update used
+        s['arm'][f] = ucb1(stats, len(arms(s['skills'][f])))
+    return {}
+
+
+register('skillsd', Method(
+    skillsd_loss, context=skillsd_context, teacher='live', group=4, lr=1e-4, after_step=skillsd_after_step,
+    state=lambda run: {'skills': {}, 'ucb': {}, 'arm': {}, 'shaped': {}},
+    flags={**TEACHER_FLAGS, 'k3_coef': arg(0.001, 'weight λ of the importance-weighted k3 term', lo=0, after_setup=True)},
+    bench={'skillsd': dict(cost=290)}, tune=[[], ['--lr', '3e-4'], ['--k3_coef', '0.01']]))
+
+
+# ----------------------------------------------------------------------------- Traj-text (LOPD ablation)
+
+def trajtext_context(run, eps):
+    """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
+    found = retrieve(run, [e.task for e in eps])
+    return Prefixes(M.text_prefix(run.teacher, run.tok, [experiences_text([m.text for m in f]) for f in found]),
+                    found=found)
+
+
+def trajtext_after_step(run, b, logits_s, teacher):
+    logs = {'family_hit': family_hit(run, b.eps, teacher.context.found)}
+    write_back(run, b.eps)
+    return logs
+
+
+register('trajtext', Method(distill, context=trajtext_context, teacher='frozen', group=1, lr=1e-3,
+                            state=lambda run: {'bank': new_bank(run)}, setup=fill_bank, after_step=trajtext_after_step,
+                            flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **BANK_FLAGS},
+                            bench={'trajtext': dict(cost=430)}, tune=DISTILL_LR))

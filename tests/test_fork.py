@@ -1,0 +1,73 @@
+"""A variant registered from outside the repo's modules (tests/fork_variant.py, a forker's own
+file: "the teacher is shown the student's own best earlier attempt at this task", with a
+per-task memory) runs through train.py with no edit to any module, for a few steps and through
+a crash between two checkpoints and a resume that ends with exactly the uninterrupted metrics.
+
+The crash is in-process: an exception out of train_step after step 3, which leaves the run as
+a SIGKILL would (no handler runs, nothing is saved); tests/test_reliability.py does the same
+with real signals in a subprocess."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+import envs  # noqa: E402
+import fork_variant  # noqa: E402,F401  (registers 'best-attempt')
+import methods  # noqa: E402
+import train  # noqa: E402
+
+torch.set_num_threads(1)
+ARGS = ["--method", "best-attempt", "--batch", "16", "--episodes", "96", "--eval_every", "2", "--eval_tasks", "8",
+        "--teacher_eval", "8", "--warmup_steps", "5", "--warmup_batch", "8", "--d_model", "32", "--n_layer", "1"]
+
+
+class Crash(BaseException):
+    """Stands for a SIGKILL: nothing catches it, nothing is saved."""
+
+
+@pytest.fixture
+def four_tasks(monkeypatch):
+    """A training pool of 4 tasks, so that every step meets tasks the memory holds."""
+    real = envs.make_env
+
+    def small(name, seed=0):
+        env = real(name, seed)
+        env.train_tasks = env.train_tasks[:4]
+        return env
+    monkeypatch.setattr(envs, "make_env", small)
+
+
+def metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "times"} for r in rows]
+
+
+def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, four_tasks, monkeypatch, capsys):
+    assert "best-attempt" in methods.METHODS and train.parse_args(["--method", "best-attempt"]).method == "best-attempt"
+    train.main([*ARGS, "--out_dir", str(tmp_path), "--name", "whole"])
+    real_step = train.train_step
+
+    def crash_after_3(run):
+        real_step(run)
+        if run.step == 3:
+            raise Crash
+    monkeypatch.setattr(train, "train_step", crash_after_3)
+    with pytest.raises(Crash):
+        train.main([*ARGS, "--out_dir", str(tmp_path), "--name", "cut"])
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(["--resume", str(tmp_path / "cut")])
+    assert "resumed at step 2, 32 episodes" in capsys.readouterr().out
+    whole = metrics(tmp_path / "whole")
+    assert [m["step"] for m in whole] == [0, 2, 4, 6] and metrics(tmp_path / "cut") == whole
+    # the memory is the method's state: checkpointed, restored, and used by the teacher
+    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "cut" / "ckpt.pt", weights_only=False)
+    assert a["state"] == b["state"] and len(a["state"]["best"]) == 4
+    assert whole[-1]["remembered"] == 4.0 and whole[-1]["loss"] > 0  # the teacher had a context to distil
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # the run's code fingerprint covers the forker's file too
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["code"] != train.CODE
