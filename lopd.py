@@ -70,8 +70,8 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
         if not 0 < beta < 1:
             raise ValueError(f'jsd needs 0 <= beta <= 1, got {beta}')
         # log M computed in log space: log(β e^{log T} + (1−β) e^{log S})
-        logm = torch.logsumexp(torch.stack([logp_t + torch.log(torch.tensor(beta)),
-                                            logp_s + torch.log(torch.tensor(1 - beta))]), 0)
+        w = lambda x: torch.log(torch.tensor(x, dtype=logp_t.dtype, device=logp_t.device))  # in the inputs' precision
+        logm = torch.logsumexp(torch.stack([logp_t + w(beta), logp_s + w(1 - beta)]), 0)
         return beta * _kl(logp_t, logm) + (1 - beta) * _kl(logp_s, logm)
     raise ValueError(f'unknown divergence {kind!r}')
 

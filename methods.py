@@ -12,10 +12,10 @@ and restored whatever it holds), a one-time `setup`, an `after_step` hook, the f
 reads, and its bench entries and tuning grid. A forker adds a variant by registering one
 more record, from this file or from their own (tests/test_fork.py does it from outside).
 
-References: GRPO, Shao et al. 2024 (DeepSeekMath); OPSD, Zhao et al. 2026 ("Self-Distilled
-Reasoner"); SDPO, Hübotter et al. 2026 ("RL via Self-Distillation"); SDFT, Shenfeld et al.
-2026 ("Self-Distillation Enables Continual Learning"); Skill-SD, Wang et al. 2026
-(arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 2608.13040).
+References (papers, and the public code our baselines follow): GRPO, Shao et al. 2024
+(DeepSeekMath); OPSD (siyan-zhao/OPSD); SDPO (lasgroup/SDPO); SDFT (idanshen/Self-Distillation);
+Skill-SD, Wang et al. 2026 (arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 2608.13040,
+bingreeky/LOPD).
 """
 import copy
 import math
@@ -104,6 +104,11 @@ def experiences_text(texts):
     return 'past: ' + '\n'.join(texts) + '\n'
 
 
+def with_default(run, prefixes):
+    """None (no context for this rollout) -> the context-free <|bos|> prefix."""
+    return [p if p is not None else M.bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
+
+
 DISTILL_FLAGS = {  # read by every method whose loss is the distillation loss
     'divergence': arg('', "distillation divergence D ('' = the method's)", choices=['rkl', 'fkl', 'jsd'], after_setup=True),
     'topk': arg(0, 'distil over the teacher top-k + one tail bucket (0 = full vocabulary)', lo=0, after_setup=True),
@@ -112,12 +117,6 @@ TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is t
     'teacher': arg('', "the teacher's weights ('' = the method's)", choices=['frozen', 'ema', 'live'], after_setup=True),
     'ema_rate': arg(0.05, 'rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ', lo=0, open_lo=True, hi=1,
                     after_setup=True),
-}
-BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
-    'J': arg(3, 'experiences retrieved per task', lo=1),
-    'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
-    'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
-    'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
 }
 DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
 
@@ -134,40 +133,17 @@ def grpo_loss(run, b, logits_s, teacher=None, eps_hi=0.2):
     return lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(b.reward, run.method.group), b.amask, 0.2, eps_hi)
 
 
-def new_bank(run):
-    return retrieval.ExperienceBank(retrieval.hashing_embedder(), run.args.bank_capacity, run.args.allow_same_task)
-
-
-def retrieve(run, tasks):
-    """Step 2: top-J successful experiences of similar tasks (never this task, by default)."""
-    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
-
-
-def write_back(run, eps):
-    """Step 7: successful rollouts join the bank (the bank keeps only reward > 0)."""
-    run.state['bank'].add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt,
-                                                run.env.trajectory_text(e), e.reward) for e in eps])
-
-
-def fill_bank(run, rollout):
-    """Before training: base rollouts fill the bank (they count toward the budget). -> the successes."""
-    a, wins = run.args, []
-    for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
-        with run.timer('rollout'):
-            eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
-        run.episodes += len(eps)
-        write_back(run, eps)
-        wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
-    return wins
-
-
-def family_hit(run, eps, found):
-    """Diagnostic: the fraction of retrieved experiences from the query's own family (training only)."""
-    return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)
-
-
 # ----------------------------------------------------------------------------- LOPD (Zhang et al. 2026)
 # One step: retrieve -> compose -> teacher phase -> student phase -> composer phase -> write back.
+# Steps 2-3 are the teacher's context (lopd_context); 4-5 are train.teacher_phase and
+# train.student_phase on it, as for every method; 6-7 are the after-step hook.
+
+BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
+    'J': arg(3, 'experiences retrieved per task', lo=1),
+    'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
+    'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
+    'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
+}
 
 def lopd_state(run):
     """φ, its cold-start copy φ0 (for the anchor), φ's optimizer, the multiplier β, the bank."""
@@ -179,6 +155,11 @@ def lopd_state(run):
 
 def lr_phi(run):
     return run.args.lr_composer or run.args.lr or run.method.lr  # the paper: lr_φ = lr_θ
+
+
+def retrieve(run, tasks):
+    """Step 2: top-J successful experiences of similar tasks (never this task, by default)."""
+    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
 
 
 def compose(run, tasks, found, grad):
@@ -236,6 +217,12 @@ def composer_phase(run, b, logits_s, teacher):
     return {'delta': float(delta), 'anchor': float(anchor)}
 
 
+def write_back(run, eps):
+    """Step 7: successful rollouts join the bank (the bank keeps only reward > 0)."""
+    run.state['bank'].add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt,
+                                                run.env.trajectory_text(e), e.reward) for e in eps])
+
+
 def lopd_after_step(run, b, logits_s, teacher):
     logs = {'family_hit': family_hit(run, b.eps, teacher.context.found)}
     if not run.args.frozen_composer:  # the ablation keeps φ at its cold start
@@ -243,6 +230,27 @@ def lopd_after_step(run, b, logits_s, teacher):
             logs.update(composer_phase(run, b, logits_s, teacher))
     write_back(run, b.eps)
     return logs
+
+
+def new_bank(run):
+    return retrieval.ExperienceBank(retrieval.hashing_embedder(), run.args.bank_capacity, run.args.allow_same_task)
+
+
+def fill_bank(run, rollout):
+    """Before training: base rollouts fill the bank (they count toward the budget). -> the successes."""
+    a, wins = run.args, []
+    for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
+        with run.timer('rollout'):
+            eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
+        run.episodes += len(eps)
+        write_back(run, eps)
+        wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
+    return wins
+
+
+def family_hit(run, eps, found):
+    """Diagnostic: the fraction of retrieved experiences from the query's own family (training only)."""
+    return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)
 
 
 def cold_start(run, rollout):
@@ -261,11 +269,6 @@ def cold_start(run, rollout):
             optimizer_step(run, opt, loss, s['composer'])
         bar.set_postfix(nll=f'{loss.item():.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
-
-
-def with_default(run, prefixes):
-    """None (no context for this rollout) -> the context-free <|bos|> prefix."""
-    return [p if p is not None else M.bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
 
 
 register('lopd', Method(
@@ -291,7 +294,7 @@ register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4, bench={'grp
                         tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']]))
 
 
-# ----------------------------------------------------------------------------- OPSD (Zhao et al. 2026)
+# ----------------------------------------------------------------------------- OPSD (siyan-zhao/OPSD)
 
 def opsd_context(run, eps):
     """OPSD: the frozen base is shown this task's reference solution."""
@@ -303,7 +306,7 @@ register('opsd', Method(distill, context=opsd_context, teacher='frozen', diverge
                         tune=DISTILL_LR))
 
 
-# ----------------------------------------------------------------------------- SDPO (Hübotter et al. 2026)
+# ----------------------------------------------------------------------------- SDPO (lasgroup/SDPO)
 
 def sdpo_context(run, eps):
     """SDPO: a successful sibling rollout of the same task (never the rollout itself), else
@@ -322,7 +325,7 @@ register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, l
                         tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']]))
 
 
-# ----------------------------------------------------------------------------- SDFT (Shenfeld et al. 2026)
+# ----------------------------------------------------------------------------- SDFT (idanshen/Self-Distillation)
 
 def sdft_context(run, eps):
     """SDFT: the model shown a demonstration of this very task (the scripted expert's)."""

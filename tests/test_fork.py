@@ -16,7 +16,6 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import envs  # noqa: E402
-import fork_variant  # noqa: E402,F401  (registers 'best-attempt')
 import methods  # noqa: E402
 import train  # noqa: E402
 
@@ -27,6 +26,17 @@ ARGS = ["--method", "best-attempt", "--batch", "16", "--episodes", "96", "--eval
 
 class Crash(BaseException):
     """Stands for a SIGKILL: nothing catches it, nothing is saved."""
+
+
+@pytest.fixture
+def variant(monkeypatch):
+    """Import the forker's file (it registers 'best-attempt'); unregistered afterwards, so that
+    the other test files see the repo's methods only."""
+    import importlib
+    import fork_variant
+    importlib.reload(fork_variant)
+    yield
+    monkeypatch.delitem(methods.METHODS, "best-attempt")
 
 
 @pytest.fixture
@@ -46,7 +56,7 @@ def metrics(run_dir):
     return [{k: v for k, v in r.items() if k != "times"} for r in rows]
 
 
-def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, four_tasks, monkeypatch, capsys):
+def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, variant, four_tasks, monkeypatch, capsys):
     assert "best-attempt" in methods.METHODS and train.parse_args(["--method", "best-attempt"]).method == "best-attempt"
     train.main([*ARGS, "--out_dir", str(tmp_path), "--name", "whole"])
     real_step = train.train_step

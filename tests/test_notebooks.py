@@ -3,7 +3,8 @@
 Every notebook in notebooks/ is executed top to bottom in a fresh `python3` kernel, with
 notebooks/ as the working directory (as when a reader opens it in Jupyter); a cell that
 raises fails the test. Each notebook takes about a minute on 2 CPU cores. The executed
-copy stays in memory: the committed outputs are not touched. To refresh them after a
+copy stays in memory: the committed outputs are not touched. The three share one warmed-up base:
+the first builds it, the others load it (so they run in order). To refresh them after a
 change to the code, run
 
     python tests/test_notebooks.py            # every notebook, outputs written in place
@@ -16,6 +17,7 @@ file stays small enough to read on GitHub.
 import glob
 import os
 import sys
+import tempfile
 import time
 
 import pytest
@@ -29,15 +31,20 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 MAX_BYTES = 500_000
 
 
+RUNS = tempfile.mkdtemp(prefix="lopd-nb-")  # the caches the notebooks share (one warm-up per test run)
+
+
 def execute(path):
-    """Run a notebook in a fresh kernel, cwd = notebooks/; -> the executed notebook."""
+    """Run a notebook in a fresh kernel, cwd = notebooks/; -> the executed notebook. The
+    notebooks cache their shared base in LOPD_NOTEBOOK_RUNS (runs/notebooks/ for a reader):
+    here a fresh temporary folder, so the first notebook builds it and the others load it."""
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": NB_DIR}})
     # one BLAS thread for the kernel: the models are tiny, and on a shared 2-core machine
     # extra threads only spin against each other (the notebooks also call
     # torch.set_num_threads(1)); the env goes to the kernel's start, not to this process
-    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1", "LOPD_NOTEBOOK_RUNS": RUNS})
     return nb
 
 

@@ -247,7 +247,7 @@ def test_a_new_run_never_replaces_a_finished_or_resumable_one(tmp_path, capsys):
         assert len(lines) == 1 and f"holds a {state} run" in lines[0], lines
         assert all(w in lines[0] for w in ["--resume", "--name", "--overwrite"]), lines[0]
         assert (run / "summary.json").read_text() == first if state == "finished" else True
-        (run / "summary.json").unlink()  # a run stopped before its end: a checkpoint, no summary
+        (run / "summary.json").unlink(missing_ok=True)  # next: a run stopped before its end (a checkpoint, no summary)
     train.main([*GRPO16, "--out_dir", str(tmp_path), "--lr", "3e-4", "--overwrite"])
     assert json.loads((run / "config.json").read_text())["lr"] == 3e-4
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the old run's lines are gone
