@@ -1,14 +1,14 @@
-"""Subprocess tests of `python train.py`: a bad argument fails fast with one clear line, -h
-lists every flag in its group, and tiny smoke runs of lopd, grpo and opsd write everything a
-run promises. The other bad arguments are checked in-process (same one line, exit status 2).
+"""The command line: bad arguments fail fast with one clear line, -h lists every flag in its
+group, and tiny smoke runs of lopd (as a program, `python train.py`), grpo and opsd (in this
+process, through train.main, as a notebook calls it) write everything a run promises.
 
-Every process starts by importing torch + transformers (~4 s of CPU), so one module fixture
-starts them all as early as it can and keeps both cores busy: the bad-argument and -h
-processes alongside the lopd smoke run (which builds and caches the warm-up), then grpo and
-opsd side by side on that cached base, then a resume of the finished grpo run. OMP_NUM_THREADS=1:
+A process starts by importing torch + transformers (~4 s of CPU), so only the lopd run is
+one; while it builds and caches the warm-up, the bad argument and -h run in this process. OMP_NUM_THREADS=1:
 these models are tiny, and on a shared 2-core machine extra BLAS threads only spin against
 each other."""
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -23,12 +23,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import methods  # noqa: E402
 import train  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
 
 torch.set_num_threads(1)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TINY = ["--batch", "16", "--warmup_steps", "5", "--warmup_batch", "8", "--eval_every", "2", "--eval_tasks", "24", "--teacher_eval", "8",
-        "--d_model", "32", "--n_layer", "1"]
+TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "24", "--teacher_eval", "8"]
 OWN = {"lopd": ["--init_episodes", "16", "--cold_start_steps", "2"]}  # flags only that method reads
 
 
@@ -49,7 +49,7 @@ def finish(p, logs, key, timeout=180):
     return p.returncode, (logs / f"{key}.out").read_text(), (logs / f"{key}.err").read_text()
 
 
-BAD = {  # arguments -> words the one error line must contain (as a program; more cases in-process below)
+BAD = {  # arguments -> words the one error line must contain (more cases below)
     "method": (["--method", "nope"], ["--method", "nope"]),
 }
 
@@ -62,35 +62,43 @@ def out_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
+def in_process(argv):
+    """train.main(argv) in this process, as a user would see it -> (exit status, stdout, stderr)."""
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(argv)
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def procs(out_dir, tmp_path_factory):
-    """Every subprocess of this file -> {key: (exit status, stdout, stderr)}. Also leaves a
-    snapshot <method>.done of each finished run folder, before the resume touches grpo's."""
+    """The runs of this file -> {key: (exit status, stdout, stderr)}: the lopd smoke run as a
+    program (`python train.py`, which builds and caches the warm-up), and, in this process
+    (no 4 s interpreter start each) while it runs, a bad argument and -h; then grpo and opsd
+    on the cached base and a resume of the finished grpo run. Also leaves a snapshot
+    <method>.done of each finished run folder, before the resume touches grpo's."""
     logs = tmp_path_factory.mktemp("logs")
 
     def smoke(m):
-        args = [*TINY, *OWN.get(m, []), "--method", m, "--episodes", str(EPISODES[m]), "--out_dir", str(out_dir)]
-        return start(args, logs, m)
+        return [*TINY, *OWN.get(m, []), "--method", m, "--episodes", str(EPISODES[m]), "--out_dir", str(out_dir)]
 
-    def done(m):
-        res[m] = finish(running.pop(m), logs, m)
+    def snapshot(m):
         if (out_dir / f"{m}-tooluse-s0").is_dir():
             shutil.copytree(out_dir / f"{m}-tooluse-s0", out_dir / f"{m}.done")
 
-    res = {}
-    running = {"lopd": smoke("lopd")}  # first: it builds the warm-up cache the others load
-    running.update({k: start(args, logs, k) for k, (args, _) in BAD.items()})
-    assert len(running) == len(BAD) + 1 and not {"help", "grpo", "opsd", "grpo resumed"} & set(BAD)
-    running["help"] = start(["-h"], logs, "help")
-    done("lopd")
-    running.update(grpo=smoke("grpo"), opsd=smoke("opsd"))
-    done("grpo")
+    lopd = start(smoke("lopd"), logs, "lopd")
+    res = {k: in_process(args) for k, (args, _) in BAD.items()}
+    res["help"] = in_process(["-h"])
+    res["lopd"] = finish(lopd, logs, "lopd")
+    snapshot("lopd")
+    for m in ["grpo", "opsd"]:
+        res[m] = in_process(smoke(m))
+        snapshot(m)
     # the finished grpo run, resumed in place with a bigger budget: one more step of 16
-    running["grpo resumed"] = start(["--resume", str(out_dir / "grpo-tooluse-s0"), "--episodes", "48"], logs,
-                                    "grpo-resumed")
-    done("opsd")
-    for k in list(running):
-        res[k] = finish(running.pop(k), logs, k)
+    res["grpo resumed"] = in_process(["--resume", str(out_dir / "grpo-tooluse-s0"), "--episodes", "48"])
     return res
 
 

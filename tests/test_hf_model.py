@@ -11,6 +11,7 @@ sys.path.insert(0, ROOT)
 import model as M  # noqa: E402
 
 
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -18,6 +18,7 @@ import model as M  # noqa: E402
 import methods  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -231,14 +232,13 @@ def test_every_method_is_well_formed(name):
 
 # ----------------------------------------------------------------------------- with a tiny real run
 
-TINY = ["--batch", "8", "--warmup_steps", "5", "--warmup_batch", "8", "--eval_tasks", "8", "--teacher_eval", "8",
-        "--d_model", "32", "--n_layer", "1"]
+TINY = ["--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", *TINY_BASE]
 SETUP = {"init_episodes": "16", "cold_start_steps": "2"}  # for the methods that read them
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    return tmp_path_factory.mktemp("runs")  # one warm-up for every run of this file
+def out(tmp_path_factory, base_in):
+    return base_in(tmp_path_factory.mktemp("runs"))  # the shared tiny base, for every run of this file
 
 
 def tiny_run(out, name, *extra):

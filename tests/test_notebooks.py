@@ -3,9 +3,9 @@
 Every notebook in notebooks/ is executed top to bottom in a fresh `python3` kernel, with
 notebooks/ as the working directory (as when a reader opens it in Jupyter); a cell that
 raises fails the test. Each notebook takes about a minute on 2 CPU cores. The executed
-copy stays in memory: the committed outputs are not touched. The three share one warmed-up base:
-the first builds it, the others load it (so they run in order). To refresh them after a
-change to the code, run
+copy stays in memory: the committed outputs are not touched. The three share one warmed-up base,
+built once per test session before the first of them runs (a file lock guards it, should
+they ever run on several test workers at once). To refresh them after a change to the code, run
 
     python tests/test_notebooks.py            # every notebook, outputs written in place
     python tests/test_notebooks.py notebooks/02_on_policy_self_distillation.ipynb
@@ -31,34 +31,89 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 MAX_BYTES = 500_000
 
 
-RUNS = tempfile.mkdtemp(prefix="lopd-nb-")  # the caches the notebooks share (one warm-up per test run)
+BASE = dict(d_model=64, n_layer=2, warmup_steps=150, warmup_batch=64, warmup_lr=4e-3, warmup_ctx=0.4)  # as they say
 
 
-def execute(path):
+def shared_base(runs):
+    """Build the notebooks' one warmed-up base into `runs` once (a file lock: the notebooks may
+    run on several test workers at once), exactly as the first notebook would: torch's seed
+    1234 before the model's init, one thread. -> runs."""
+    import filelock
+    import torch
+    sys.path.insert(0, ROOT)
+    import envs
+    import model as M
+    import train
+    os.makedirs(runs, exist_ok=True)
+    with filelock.FileLock(os.path.join(runs, "base.lock")):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.manual_seed(1234)
+        tok, model = M.load(None, BASE["d_model"], BASE["n_layer"])
+        train.warmup(train.Args(**BASE, out_dir=runs), tok, model, envs.make_env("tooluse"), "cpu")
+        torch.set_num_threads(threads)
+    return runs
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; runs/notebooks/ for a reader), in a
+    folder every test worker of this session sees, with the base built in it once."""
+    base = tmp_path_factory.getbasetemp()  # under xdist, one per worker; its parent is the session's
+    return shared_base(str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "notebook-runs"))
+
+
+def execute(path, runs):
     """Run a notebook in a fresh kernel, cwd = notebooks/; -> the executed notebook. The
-    notebooks cache their shared base in LOPD_NOTEBOOK_RUNS (runs/notebooks/ for a reader):
-    here a fresh temporary folder, so the first notebook builds it and the others load it."""
+    notebooks cache their shared base in LOPD_NOTEBOOK_RUNS; here it is already built, so
+    each loads it and the three can run side by side."""
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": NB_DIR}})
     # one BLAS thread for the kernel: the models are tiny, and on a shared 2-core machine
     # extra threads only spin against each other (the notebooks also call
     # torch.set_num_threads(1)); the env goes to the kernel's start, not to this process
-    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1", "LOPD_NOTEBOOK_RUNS": RUNS})
+    client.execute(env={**os.environ, "OMP_NUM_THREADS": "1", "LOPD_NOTEBOOK_RUNS": runs})
     return nb
 
 
 def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 3, NOTEBOOKS
+    assert sorted(os.path.basename(p) for p in NOTEBOOKS) == sorted(c.notebook for c in RUNNERS)  # each has a runner
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(path):
+def runs_top_to_bottom(name, runs):
     t0 = time.time()
-    nb = execute(path)  # raises CellExecutionError, naming the cell, if any cell fails
+    nb = execute(os.path.join(NB_DIR, name), runs)  # raises CellExecutionError, naming the cell, if any cell fails
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
-    print(f"{os.path.basename(path)}: {time.time() - t0:.0f} s")
+    print(f"{name}: {time.time() - t0:.0f} s")
+
+
+# one class per notebook: under pytest-xdist (--dist loadscope) each is a unit of work of its
+# own, so the three can run on different workers once the first has the base built
+class TestNotebook01:
+    notebook = "01_environments_and_rollouts.ipynb"
+
+    def test_runs(self, runs):
+        runs_top_to_bottom(self.notebook, runs)
+
+
+class TestNotebook02:
+    notebook = "02_on_policy_self_distillation.ipynb"
+
+    def test_runs(self, runs):
+        runs_top_to_bottom(self.notebook, runs)
+
+
+class TestNotebook03:
+    notebook = "03_latent_privileged_context.ipynb"
+
+    def test_runs(self, runs):
+        runs_top_to_bottom(self.notebook, runs)
+
+
+RUNNERS = [TestNotebook01, TestNotebook02, TestNotebook03]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
@@ -85,9 +140,10 @@ def test_notebook_style(path):
 
 
 if __name__ == "__main__":  # refresh the committed outputs in place
+    runs = shared_base(tempfile.mkdtemp(prefix="lopd-nb-"))
     for path in sys.argv[1:] or NOTEBOOKS:
         t0 = time.time()
-        nb = execute(path)
+        nb = execute(path, runs)
         nbformat.write(nb, path)
         print(f"{os.path.relpath(path, ROOT)}: executed in {time.time() - t0:.0f} s, "
               f"{os.path.getsize(path) / 1e3:.0f} kB")

@@ -1,0 +1,56 @@
+"""Test-session plumbing shared by the test files.
+
+- The tiny warmed-up base most run tests start from (TINY_BASE), built once per test worker
+  and copied into each test's run folder (`base_in`): a 60-step warm-up ends its turns with
+  <|eot|> and answers, so the tests' rollouts are a few dozen tokens instead of every turn
+  cut at max_action_tokens, which made decoding most of a tiny run's time.
+- The longest test modules are scheduled first, so that with one worker per core
+  (pytest.ini) the short ones fill in around them."""
+import contextlib
+import io
+import os
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+TINY_BASE = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "60", "--warmup_batch", "32", "--warmup_lr", "1e-2"]
+# notebook 1 builds the notebooks' base; by the time a worker reaches notebook 3 or 2 it is built
+LONGEST_FIRST = ["TestNotebook01", "test_reliability.py", "TestNotebook03", "test_cli.py", "test_bench.py", "TestNotebook02",
+                 "test_hf_model.py", "test_fork.py"]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """-> the warm-up cache file of TINY_BASE, built as `python train.py ... TINY_BASE` would."""
+    sys.path.insert(0, ROOT)
+    import torch
+    import envs
+    import model as M
+    import train
+    args = train.parse_args(TINY_BASE + ["--out_dir", str(tmp_path_factory.mktemp("tiny-base"))])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)  # as train.build does before the model's init
+    tok, model = M.load(None, args.d_model, args.n_layer)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        path, _ = train.warmup(args, tok, model, envs.make_env(args.env), "cpu")
+    torch.set_num_threads(threads)
+    return path
+
+
+@pytest.fixture(scope="session")
+def base_in(tiny_base):
+    """base_in(folder): put the tiny base's cache in a run folder's out_dir; -> the folder."""
+    def put(folder):
+        os.makedirs(folder, exist_ok=True)
+        shutil.copy(tiny_base, folder)
+        return folder
+    return put
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    where = lambda item: rank.get(getattr(item.cls, "__name__", None), rank.get(item.path.name, len(rank)))
+    items.sort(key=where)  # stable: the order within a module stays
