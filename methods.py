@@ -73,7 +73,7 @@ class Method:
     lr: float = 1e-3                     # student learning rate, unless --lr says otherwise
     state: Callable = lambda run: {}     # (run) -> dict of the method's own state (anything with state_dict, or plain data)
     setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
-    after_step: Optional[Callable] = None  # (run, batch, logits_s, teacher) -> dict of numbers to log
+    after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
     flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
     bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool)
     tune: list = field(default_factory=lambda: [[]])  # bench.py --tune: settings (flag lists), the default first

@@ -59,7 +59,7 @@ class Args:
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)', group=RUN)
     episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included)',
                         lo=0, open_lo=True, after_setup=True, group=RUN)
-    batch: int = arg(64, 'episodes per training step (GRPO: tasks × group)', lo=1, group=RUN)
+    batch: int = arg(64, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
     eval_every: int = arg(8, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
     eval_tasks: int = arg(250, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
@@ -218,13 +218,16 @@ def warmup_loss(model, tok, demos, contexts, device):
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
-    key = json.dumps(['v5', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
+    key = json.dumps(['v6', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
                       args.warmup_batch, args.warmup_ctx, args.warmup_lr, M.SPECIALS, M.MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
-        rng = random.Random(1234)  # the base is the same for every run seed: one base, many methods
+        # the base is the same for every run seed (one base, many methods) and on every machine:
+        # one CPU thread, since sums split over threads round differently (2 threads gave another base)
+        rng, threads = random.Random(1234), torch.get_num_threads()
         torch.manual_seed(1234)
+        torch.set_num_threads(1)
         pool = env.make_tasks(20_000, seed=30_000, families=env.warmup_families, split='warm')
         by_family = {}
         for t in pool:
@@ -241,6 +244,7 @@ def warmup(args, tok, model, env, device):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             bar.set_postfix(loss=f'{loss.item():.3f}')
+        torch.set_num_threads(threads)
         return {'model': model.state_dict(), 'key': key}
 
     def apply(saved):
@@ -257,7 +261,9 @@ def teacher_phase(run, b):
     """Step 4: the teacher scores every agent token of every rollout, given its privileged context
     (the method's context builder; LOPD's is steps 2-3). A frozen or EMA teacher has no graph of its
     own, so only a context that carries one (LOPD's latents) is differentiable; a live teacher is θ
-    itself and runs without gradients. -> methods.Teacher."""
+    itself and runs without gradients. -> methods.Teacher, or None for a method without a teacher."""
+    if run.method.context is None:  # a method without a teacher
+        return None
     with torch.set_grad_enabled(run.teacher is not run.model):
         ctx = run.method.context(run, b.eps)
         keep = torch.tensor([p is not None for p in ctx])                        # (B,) no context: no teacher
@@ -285,11 +291,10 @@ def train_step(run):
                           torch.tensor([e.reward for e in eps], device=run.device))
     run.episodes += len(eps)
     with run.timer('teacher'):
-        teacher = teacher_phase(run, b) if m.context else None
+        teacher = teacher_phase(run, b)
     with run.timer('student'):
         logits_s, loss = student_phase(run, b, teacher)
-    logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])),
-            **(m.after_step(run, b, logits_s, teacher) if m.after_step else {})}
+    logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), **m.after_step(run, b, logits_s, teacher)}
     for k, v in logs.items():
         run.log.setdefault(k, []).append(v)
     run.step += 1

@@ -38,6 +38,9 @@ def shared_base(runs):
     """Build the notebooks' one warmed-up base into `runs` once (a file lock: the notebooks may
     run on several test workers at once), exactly as the first notebook would: torch's seed
     1234 before the model's init, one thread. -> runs."""
+    import contextlib
+    import io
+
     import filelock
     import torch
     sys.path.insert(0, ROOT)
@@ -50,7 +53,8 @@ def shared_base(runs):
         torch.set_num_threads(1)
         torch.manual_seed(1234)
         tok, model = M.load(None, BASE["d_model"], BASE["n_layer"])
-        train.warmup(train.Args(**BASE, out_dir=runs), tok, model, envs.make_env("tooluse"), "cpu")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            train.warmup(train.Args(**BASE, out_dir=runs), tok, model, envs.make_env("tooluse"), "cpu")
         torch.set_num_threads(threads)
     return runs
 
