@@ -16,9 +16,8 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TINY_BASE = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "60", "--warmup_batch", "32", "--warmup_lr", "1e-2"]
-# notebook 1 builds the notebooks' base; by the time a worker reaches notebook 3 or 2 it is built
-LONGEST_FIRST = ["TestNotebook01", "test_reliability.py", "TestNotebook03", "test_cli.py", "test_bench.py", "TestNotebook02",
-                 "test_hf_model.py", "test_fork.py"]
+LONGEST_FIRST = ["TestNotebooks", "test_reliability.py", "test_cli.py", "test_bench.py", "test_hf_model.py",
+                 "test_methods.py", "test_rollout.py", "test_fork.py"]
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,11 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
 import train  # noqa: E402
 
-TINY = ["--episodes", "48", "--batch", "16", "--warmup_steps", "5", "--init_episodes", "16", "--cold_start_steps", "2",
-        "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8", "--d_model", "32", "--n_layer", "1"]
+TINY = ["--episodes", "48", "--batch", "16", *TINY_BASE, "--init_episodes", "16", "--cold_start_steps", "2",
+        "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
 
 
 def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None):
@@ -173,9 +174,11 @@ def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path, capsys, monke
     assert not os.listdir(tmp_path)  # nothing was started
 
 
-def test_end_to_end_tiny_bench(tmp_path, capsys):
-    """Two real tiny runs (lopd, grpo on seed 1) as train.py processes, two at a time; the bench
-    itself runs in this process. Forwarded flags that grpo does not read are dropped for it."""
+def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
+    """Two real tiny runs (lopd, grpo on seed 1) as train.py processes, two at a time, on the
+    shared tiny base; the bench itself runs in this process. Forwarded flags that grpo does not
+    read are dropped for it. (Waiting for a warm-up being built: the fake-launch tests below.)"""
+    base_in(tmp_path)
     with pytest.raises(SystemExit) as e:
         bench.main(["--methods", "lopd,grpo", "--seeds", "1", "--out_dir", str(tmp_path), *TINY])
     out, err = capsys.readouterr()

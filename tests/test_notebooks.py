@@ -83,41 +83,19 @@ def execute(path, runs):
 
 def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 3, NOTEBOOKS
-    assert sorted(os.path.basename(p) for p in NOTEBOOKS) == sorted(c.notebook for c in RUNNERS)  # each has a runner
 
 
-def runs_top_to_bottom(name, runs):
-    t0 = time.time()
-    nb = execute(os.path.join(NB_DIR, name), runs)  # raises CellExecutionError, naming the cell, if any cell fails
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    assert not errors, errors
-    print(f"{name}: {time.time() - t0:.0f} s")
+class TestNotebooks:
+    """One class: under pytest-xdist (--dist loadscope) the three run in order on one worker,
+    which builds their shared base first (tests/conftest.py schedules them first)."""
 
-
-# one class per notebook: under pytest-xdist (--dist loadscope) each is a unit of work of its
-# own, so the three can run on different workers once the first has the base built
-class TestNotebook01:
-    notebook = "01_environments_and_rollouts.ipynb"
-
-    def test_runs(self, runs):
-        runs_top_to_bottom(self.notebook, runs)
-
-
-class TestNotebook02:
-    notebook = "02_on_policy_self_distillation.ipynb"
-
-    def test_runs(self, runs):
-        runs_top_to_bottom(self.notebook, runs)
-
-
-class TestNotebook03:
-    notebook = "03_latent_privileged_context.ipynb"
-
-    def test_runs(self, runs):
-        runs_top_to_bottom(self.notebook, runs)
-
-
-RUNNERS = [TestNotebook01, TestNotebook02, TestNotebook03]
+    @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+    def test_runs(self, path, runs):
+        t0 = time.time()
+        nb = execute(path, runs)  # raises CellExecutionError, naming the cell, if any cell fails
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+        assert not errors, errors
+        print(f"{os.path.basename(path)}: {time.time() - t0:.0f} s")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
