@@ -388,6 +388,84 @@ def write_tuning(cmp_dir, grid, meta):
         f.write('\n'.join(md) + '\n')
 
 
+# ----------------------------------------------------------------------------- the teacher-gap report
+
+def gap_rows(run, rollout, tasks):
+    """Before any student update: the student's and its teacher's held-out success on the same tasks
+    (greedy), overall and on opaque families. The teacher's context is the method's own, built on
+    the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of each
+    group taken. LOPD also gets the control: latents composed from other-family experiences only.
+    -> {row name: (teacher success per task, rows that got a context)}."""
+    import torch
+    G = run.method.group
+    eps = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])[0]
+    contexts = {run.args.method: run.method.context(run, eps)[::G]}
+    if run.args.method == 'lopd':
+        firsts = eps[::G]
+        contexts['lopd-control'] = methods.latents(
+            run, firsts, grad=False, found=methods.retrieve(run, [e.task for e in firsts], other_family=True))
+    out = {}
+    with torch.no_grad():
+        for name, ctx in contexts.items():
+            teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=methods.with_default(run, ctx))[0]
+            out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])))
+    return out
+
+
+def teacher_gap(o, out_dir, cmp_dir):
+    """bench.py --teacher_gap: for every method with a teacher (and LOPD's variants in GAP_EXTRA), build
+    its run (warm-up, base evaluation, setup: LOPD's cold start) and measure gap_rows on the first
+    --gap_tasks held-out tasks. -> teacher_gap.md / .json in the compare folder."""
+    import torch
+    import bookkeeping
+    import train
+    t0, rows, student = time.time(), {}, None
+    entries = {m: ['--method', m] for m, x in methods.METHODS.items() if x.context and (not o.methods or m in o.entries)}
+    entries.update({k: v for k, v in GAP_EXTRA.items() if not o.methods or k in o.entries})
+    for entry, own in entries.items():
+        m = own[own.index('--method') + 1]
+        flags = for_method(o.extras, m) + own + ['--env', o.env, '--out_dir', out_dir, '--name', f'gap-{entry}-{o.env}',
+                                                   '--overwrite', '--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0']
+        args = train_args(flags)
+        bookkeeping.claim_run_dir(os.path.join(out_dir, args.name), True)
+        run = train.build(args)
+        tasks = run.env.eval_tasks[:o.gap_tasks]
+        with torch.no_grad():
+            if student is None:
+                student = [e.reward for e in train.rollout(run.model, run.tok, run.env, tasks, greedy=True)[0]]
+            for name, r in gap_rows(run, train.rollout, tasks).items():
+                rows[entry if name == m else name] = r
+        print(f'teacher gap: {entry} done ({time.time() - t0:.0f}s)', flush=True)
+    opaque = np.array([t.family in getattr(run.env, 'opaque', ()) for t in tasks])
+    split = lambda r: (float(np.mean(r)), float(np.mean(np.array(r)[opaque])) if opaque.any() else None)
+    s_all, s_op = split(student)
+    table = {'student': {'success': s_all, 'opaque': s_op}}
+    md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update.',
+          f"`python bench.py {' '.join(o.argv)}`, code {train.CODE}, {time.time() - t0:.0f} s.", GAP_LEGEND, '',
+          '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque |',
+          '|---|---|---|---|---|---|---|---|']
+    for name, (r, cov) in rows.items():
+        t_all, t_op = split(r)
+        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov}
+        gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
+        md.append(f'| {name} | {cov:.2f} | {t_all:.3f} | {s_all:.3f} | {gap(t_all, s_all)} | {fmt(t_op)} | {fmt(s_op)} | '
+                  f'{gap(t_op, s_op)} |')
+    os.makedirs(cmp_dir, exist_ok=True)
+    with open(os.path.join(cmp_dir, 'teacher_gap.json'), 'w') as f:
+        json.dump(table, f, indent=1)
+    with open(os.path.join(cmp_dir, 'teacher_gap.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+    print('\n'.join(md))
+    return os.path.join(cmp_dir, 'teacher_gap.md')
+
+
+# LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
+GAP_EXTRA = {'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
+             'lopd-self': ['--method', 'lopd', '--allow_same_task']}           # self-retrieval, as the paper's code allows
+GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
+              'lopd-nll: the paper\'s cold start (teacher NLL of successes); lopd-self: retrieval may return the task itself.')
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse(argv):
@@ -400,6 +478,9 @@ def parse(argv):
     p.add_argument('--quick', action='store_true',
                    help=f"seeds 1,2, {' '.join(QUICK_FLAGS)}, 5 entries, in compare-<env>-quick/")
     p.add_argument('--tune', action='store_true', help='3 settings per method on seed 0 -> tuning.json (used by compares)')
+    p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
+                   'training, overall and on opaque families -> teacher_gap.md')
+    p.add_argument('--gap_tasks', type=int, default=200, help='held-out tasks of the --teacher_gap report')
     p.add_argument('--no_tuned', action='store_true', help="ignore tuning.json's chosen flags")
     p.add_argument('--out_dir', default='runs', help='where the runs, the warm-up cache and compare-<env>/ go')
     p.add_argument('--jobs', type=int, default=2, help='runs at a time (one core each on a 2-core machine)')
@@ -416,7 +497,7 @@ def parse(argv):
     if bad:
         die(f'{bad[0]} is set by bench.py per run (use --methods / --seeds)')
     o.entries = [e for e in (o.methods or ','.join(QUICK_ENTRIES if o.quick else ENTRIES)).split(',') if e]
-    unknown = [e for e in o.entries if e not in ENTRIES]
+    unknown = [e for e in o.entries if e not in ENTRIES and not (o.teacher_gap and e in GAP_EXTRA)]
     if unknown:
         die(f"--methods: {unknown[0]!r} is not one of {', '.join(ENTRIES)}")
     try:
@@ -437,6 +518,10 @@ def main(argv=None):
     out_dir = os.path.abspath(o.out_dir)
     cmp_dir = os.path.join(out_dir, f"compare-{o.env}{'-quick' if o.quick else ''}")  # a quick tuning tunes quick runs
     tuned = {} if o.no_tuned or o.tune else read_json(os.path.join(cmp_dir, 'tuning.json')) or {}
+    if o.teacher_gap:
+        o.argv = sys.argv[1:] if argv is None else argv
+        print(f'bench: teacher gap in {time.time() - t0:.0f}s; table in {os.path.relpath(teacher_gap(o, out_dir, cmp_dir))}')
+        return
     if o.tune:
         entries = [e for e in o.entries if e in TUNE]
         runs = [plan('tune', e, ENTRIES[e] + s, s + o.extras + ENTRIES[e], o.env, 0,

@@ -316,14 +316,14 @@ class Diverged(Exception):
 
 
 def optimizer_step(run, opt, loss, module):
-    """One update, skipped (counted, logged) if the loss or a gradient is not finite, so a
-    NaN never reaches the weights; --max_skips skips in a row stop the run."""
+    """One update of a module (or a list of parameters), skipped (counted, logged) if the loss or a
+    gradient is not finite, so a NaN never reaches the weights; --max_skips skips in a row stop the run."""
     opt.zero_grad(set_to_none=True)
     if not loss.requires_grad:  # nothing this step depends on the parameters (e.g. nothing retrieved)
         return
     if torch.isfinite(loss):
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters() if isinstance(module, torch.nn.Module) else module, 1.0)
         if torch.isfinite(norm):
             opt.step()
             run.skips_in_a_row = 0

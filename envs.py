@@ -119,8 +119,15 @@ def call_tool(world, tool, arg):
     return world[arg][tool], None
 
 
-def random_plan(rng):
-    """A type-correct random tool plan of 1-5 calls (the noisy expert's guess)."""
+def random_plan(rng, avoid=None):
+    """A type-correct random tool plan of 1-5 calls (the noisy expert's guess); redrawn while it equals `avoid`."""
+    plan = _random_plan(rng)
+    while plan == avoid:
+        plan = _random_plan(rng)
+    return plan
+
+
+def _random_plan(rng):
     plan, kind = [], 'person'
     for _ in range(rng.randint(1, 4)):
         tool = rng.choice(['lead'] if kind == 'team' else ['manager', 'city', 'team'])

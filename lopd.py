@@ -174,19 +174,23 @@ def teacher_inputs(prefixes, body, body_mask):
     return torch.cat([pre, body], 1), torch.cat([pre_mask, body_mask], 1), P
 
 
-def privileged_margin(logp_t, logp_s, mask, reward):
+def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
     """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
     A(τ) = 2r(τ) − 1 (the LOPD paper's privileged margin). Positive when the latent context makes the teacher
     more likely than the student on successful behaviour and less likely on failures.
+    centered=True: A(τ) = r(τ) − mean_batch r. With 0/1 rewards the paper's A is −1 on every failure, so
+    any teacher that differs from the student earns +KL-like credit there; the centred A weighs
+    successes and failures by how much rarer they are, and is 0 on a batch of equal rewards.
     logp_t, logp_s, mask (B, T); reward (B,) in {0, 1} -> scalar."""
     delta = logp_t - logp_s.detach()                                            # (B, T)
     m = mask.to(delta.dtype)
     delta_traj = (delta * m).sum(-1) / m.sum(-1).clamp(min=1)                   # (B,) mean over agent tokens
-    A = 2 * reward.to(delta.dtype) - 1                                          # (B,)
+    r = reward.to(delta.dtype)
+    A = r - r.mean() if centered else 2 * r - 1                                 # (B,)
     return (A * delta_traj).mean()
 
 
-def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0):
+def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False):
     """The composer's objective (the LOPD paper's composer loss), minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
@@ -197,7 +201,7 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0)
     -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
     logits_s = logits_s.detach()
     kl = masked_mean(divergence(logits_s, logits_t, 'rkl'), mask)
-    delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward)
+    delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward, centered)
     anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
     loss = kl + beta * (margin - delta) + lam * anchor
     return loss, delta.detach(), anchor.detach()

@@ -100,8 +100,11 @@ def solution_text(task):
     return f'reference solution: {task.solution}\n'
 
 
-def experiences_text(texts):
-    return 'past: ' + '\n'.join(texts) + '\n'
+def experiences_text(pairs):
+    """Past experiences [(task prompt, trajectory text)] as one context: 'past: quandle bo: team(bo) -> red; …\n
+    city of ed: city(ed) -> oslo; answer oslo\n' (each line starts with a space, so it tokenizes alone).
+    Each trajectory carries its task, so that a reader can tell which of them is about this task's family."""
+    return 'past:' + ''.join(f' {task}: {traj}\n' for task, traj in pairs)
 
 
 def with_default(run, prefixes):
@@ -145,29 +148,46 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
 }
 
+READING_FRAME = 'task to solve: {task}\nreference past trajectory: '  # how the composer's reader sees one experience
+
+
 def lopd_state(run):
-    """φ, its cold-start copy φ0 (for the anchor), φ's optimizer, the multiplier β, the bank."""
+    """φ (the composer, and with --reader trained the reader too), its cold-start copy φ0 (for the
+    anchor), φ's optimizer, the multiplier β, the bank."""
     emb = run.model.get_input_embeddings().weight
     composer = lopd.Composer(emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
-    return {'bank': new_bank(run), 'composer': composer, 'composer0': copy.deepcopy(composer).requires_grad_(False),
-            'opt_phi': torch.optim.AdamW(composer.parameters(), lr=lr_phi(run), weight_decay=0.0), 'beta': 0.0}
+    # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a
+    # trainable copy of θ0 (the tiny model is small enough to copy whole)
+    reader = copy.deepcopy(run.model).train().requires_grad_(True) if run.args.reader == 'trained' else None
+    frozen = lambda m: copy.deepcopy(m).requires_grad_(False) if m is not None else None
+    return {'bank': new_bank(run), 'composer': composer, 'composer0': frozen(composer), 'reader': reader,
+            'reader0': frozen(reader), 'opt_phi': torch.optim.AdamW(phi_params(composer, reader), lr=lr_phi(run),
+                                                                  weight_decay=0.0), 'beta': 0.0}
+
+
+def phi_params(composer, reader):
+    """φ: the composer's parameters, and the reader's when it trains."""
+    return list(composer.parameters()) + (list(reader.parameters()) if reader is not None else [])
 
 
 def lr_phi(run):
     return run.args.lr_composer or run.args.lr or run.method.lr  # the paper: lr_φ = lr_θ
 
 
-def retrieve(run, tasks):
-    """Step 2: top-J successful experiences of similar tasks (never this task, by default)."""
-    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J)
+def retrieve(run, tasks, other_family=False):
+    """Step 2: top-J successful experiences of similar tasks (never this task, by default).
+    other_family=True: only experiences of other families (the teacher-gap report's control)."""
+    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J,
+                                      exclude_families=[t.family for t in tasks] if other_family else None)
 
 
 def compose(run, tasks, found, grad):
-    """Step 3: the frozen base reads 'task to solve: x / reference past trajectory: m_j'; φ maps
-    its hidden states to K latents per experience. -> z with φ's graph if grad, z0 (ΣN·K, d)."""
+    """Step 3: the reader (the frozen base, or with --reader trained its trainable copy) reads
+    'task to solve: x / reference past trajectory: m_j'; the composer maps its hidden states to K
+    latents per experience. -> z with φ's graph if grad, z0 from φ0 (ΣN·K, d)."""
     d = run.teacher.get_input_embeddings().weight.shape[1]
-    heads = [run.tok.encode(f'task to solve: {t.prompt}\nreference past trajectory: ') for t, f in zip(tasks, found) for _ in f]
-    bodies = [run.tok.encode(m.text)[:200] for f in found for m in f]
+    heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
+    bodies = [run.tok.encode(experience_line(m))[:200] for f in found for m in f]
     if not heads:
         empty = torch.zeros(0, d, device=run.device)
         return empty, empty
@@ -177,27 +197,38 @@ def compose(run, tasks, found, grad):
                                   [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
     s = run.state
     with torch.no_grad():
-        h = M.hidden(run.teacher, ids, attn)                                    # (N, L, d) frozen reading
-        z0 = s['composer0'](h, pool)                                            # (N, K, d) the anchor's target
+        h0 = M.hidden(s['reader0'] or run.teacher, ids, attn)                   # (N, L, d) the cold-start reading
+        z0 = s['composer0'](h0, pool)                                           # (N, K, d) the anchor's target
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
+        h = M.hidden(s['reader'], ids, attn) if s['reader'] is not None else h0  # (N, L, d)
         z = s['composer'](h, pool)                                              # (N, K, d)
     return z.reshape(-1, d), z0.reshape(-1, d)
 
 
-def latents(run, eps, grad):
-    """Steps 2-3 -> Prefixes <|bos|> z_1 … z_{J·K} per rollout (None: nothing was retrieved)."""
-    tasks = [e.task for e in eps]
-    found = retrieve(run, tasks)
+def experience_line(m):
+    """One stored experience as a line of text, as experiences_text writes it (without the frame)."""
+    return f' {m.task}: {m.text}'
+
+
+def latent_frame(run, zs):
+    """<|bos|><|ctx|>past: z_1 \n z_2 \n … z_J \n — each experience's K latents exactly where
+    experiences_text puts its text line, i.e. in the slot the base learned to read (the paper's
+    code frames its latents the same way: "reference example … end of reference example").
+    zs: J tensors (K, d) -> (P, d)."""
+    E = lambda ids: M.embed(run.teacher, torch.tensor(ids, device=run.device))
+    head, sep = E([run.tok.bos, run.tok.ctx] + run.tok.encode('past:')), E(run.tok.encode('\n'))
+    return torch.cat([head] + [x for z in zs for x in (z, sep)])
+
+
+def latents(run, eps, grad, found=None):
+    """Steps 2-3 -> Prefixes, latent_frame per rollout (None: nothing was retrieved)."""
+    tasks, K = [e.task for e in eps], run.args.K
+    found = retrieve(run, tasks) if found is None else found
     z, z0 = compose(run, tasks, found, grad)
-    # no framing text around the latents: our base never saw text before the task, and
-    # framing ("<|ctx|>past: … \n") cost the cold-started teacher 0.58 -> 0.22 held-out
-    # success in our measurement, so the latents follow <|bos|> directly
-    head = M.embed(run.teacher, torch.tensor([run.tok.bos], device=run.device))
     prefixes, k = [], 0
     for f in found:
-        n = len(f) * run.args.K
-        prefixes.append(torch.cat([head, z[k:k + n]]) if f else None)
-        k += n
+        prefixes.append(latent_frame(run, [z[k + j * K:k + (j + 1) * K] for j in range(len(f))]) if f else None)
+        k += len(f) * K
     return Prefixes(prefixes, z=z, z0=z0, found=found)
 
 
@@ -211,8 +242,9 @@ def composer_phase(run, b, logits_s, teacher):
     Rollouts without retrieved experiences carry no latents and are left out, as in the student phase."""
     a, s, keep = run.args, run.state, teacher.keep.to(run.device)
     loss, delta, anchor = lopd.composer_loss(logits_s[keep], teacher.logits[keep], b.ids[keep], b.amask[keep],
-                                             b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0)
-    optimizer_step(run, s['opt_phi'], loss, s['composer'])
+                                             b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0,
+                                             centered=a.advantage == 'centered')
+    optimizer_step(run, s['opt_phi'], loss, phi_params(s['composer'], s['reader']))
     s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
     return {'delta': float(delta), 'anchor': float(anchor)}
 
@@ -237,15 +269,16 @@ def new_bank(run):
 
 
 def fill_bank(run, rollout):
-    """Before training: base rollouts fill the bank (they count toward the budget). -> the successes."""
-    a, wins = run.args, []
+    """Before training: base rollouts fill the bank (they count toward the budget). -> all of them,
+    as (episode, body, agent mask)."""
+    a, rows = run.args, []
     for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
         with run.timer('rollout'):
             eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
         run.episodes += len(eps)
         write_back(run, eps)
-        wins += [(e, b, m) for e, b, m in zip(eps, bodies, masks) if e.reward > 0]
-    return wins
+        rows += list(zip(eps, bodies, masks))
+    return rows
 
 
 def family_hit(run, eps, found):
@@ -253,22 +286,59 @@ def family_hit(run, eps, found):
     return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)
 
 
+def balanced_sample(rng, rows, n):
+    """n rows drawn family first (uniform over the families present), then a row of that family:
+    the base's successes are mostly families it already solves, and the rare ones must not drown."""
+    by = {}
+    for r in rows:
+        by.setdefault(r[0].task.family, []).append(r)
+    fams = sorted(by)
+    return [rng.choice(by[rng.choice(fams)]) for _ in range(n)]
+
+
+def cold_start_nll(run, eps, ids, amask, attn):
+    """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
+    composed from their retrieved experiences."""
+    ctx = latents(run, eps, grad=True)
+    keep = torch.tensor([p is not None for p in ctx], device=run.device)
+    logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
+    return lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
+
+
+def cold_start_text(run, eps, ids, amask, attn):
+    """Text-to-latent distillation: the latents must make the teacher act as the same retrieved
+    experiences shown as text do, KL(π_θ0(·|experiences as text) ‖ π_θ0(·|latents)) on every
+    agent token of any stored rollout, success or failure (the text teacher knows the right
+    next call after a wrong one too)."""
+    ctx = latents(run, eps, grad=True)
+    keep = torch.tensor([p is not None for p in ctx], device=run.device)
+    with torch.no_grad():
+        text = M.text_prefix(run.teacher, run.tok, [experiences_text([(m.task, m.text) for m in f]) for f in ctx.found])
+        logits_text = M.logits_on(run.teacher, text, ids, attn)
+    logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
+    return lopd.masked_mean(lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask))
+
+
+COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
+
+
 def cold_start(run, rollout):
-    """Fill the bank with base rollouts, then pre-train φ by maximising the frozen teacher's
-    likelihood of successful trajectories given the latents of their retrieved experiences."""
-    wins, s = fill_bank(run, rollout), run.state
-    opt = torch.optim.AdamW(s['composer'].parameters(), lr=lr_phi(run))
-    for _ in (bar := tqdm(range(run.args.cold_start_steps if wins else 0), desc='cold start', dynamic_ncols=True)):
+    """Fill the bank with base rollouts, then pre-train φ (COLD_STARTS: the paper's NLL of the
+    successes, or text-to-latent distillation on every rollout), optionally family-balanced."""
+    a, s = run.args, run.state
+    rows = fill_bank(run, rollout)
+    rows = [r for r in rows if r[0].reward > 0] if a.cold_start == 'nll' else rows
+    opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=lr_phi(run))
+    for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
         with run.timer('cold_start'):
-            eps, bodies, masks = zip(*run.rng.sample(wins, min(32, len(wins))))
-            ids, amask, attn = M.pad_batch(bodies, masks, run.tok.pad, run.device)
-            ctx = latents(run, eps, grad=True)
-            keep = torch.tensor([p is not None for p in ctx], device=run.device)
-            logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
-            loss = lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
-            optimizer_step(run, opt, loss, s['composer'])
-        bar.set_postfix(nll=f'{loss.item():.3f}')
+            pick = balanced_sample(run.rng, rows, 32) if a.balanced else run.rng.sample(rows, min(32, len(rows)))
+            eps, bodies, masks = zip(*pick)
+            loss = COLD_STARTS[a.cold_start](run, eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
+            optimizer_step(run, opt, loss, phi_params(s['composer'], s['reader']))
+        bar.set_postfix(loss=f'{loss.item():.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
+    if s['reader'] is not None:
+        s['reader0'].load_state_dict(s['reader'].state_dict())
 
 
 register('lopd', Method(
@@ -280,7 +350,14 @@ register('lopd', Method(
            'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
            'lr_composer': arg(0.0, 'composer learning rate (0 = the student lr)', lo=0),
-           'cold_start_steps': arg(300, 'composer pre-training steps (teacher NLL of successes)', lo=0),
+           'cold_start_steps': arg(300, 'composer pre-training steps', lo=0),
+           'cold_start': arg('text', 'cold start objective: text = the teacher reading the latents matches it reading '
+                             'the same experiences as text; nll = the paper\'s NLL of successes', choices=list(COLD_STARTS)),
+           'balanced': arg(False, 'cold start: sample the bank\'s rollouts family-balanced'),
+           'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
+                         choices=['frozen', 'trained']),
+           'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
+                            choices=['paper', 'centered'], after_setup=True),
            'frozen_composer': arg(False, 'ablation: keep φ at its cold start (no composer phase)', after_setup=True)},
     bench={'lopd': dict(cost=670, quick=True),
            'lopd-frozen': dict(flags=['--frozen_composer'], cost=280, quick=True),
@@ -315,7 +392,7 @@ def sdpo_context(run, eps):
     for i, e in enumerate(eps):
         g = i - i % G                                                           # first rollout of i's group
         sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.reward > 0), None)
-        texts.append(experiences_text([run.env.trajectory_text(sib)]) if sib else
+        texts.append(experiences_text([(sib.task.prompt, run.env.trajectory_text(sib))]) if sib else
                      f'feedback: {e.feedback}\n' if e.feedback else None)
     return [M.text_prefix(run.teacher, run.tok, [t])[0] if t else None for t in texts]
 
@@ -330,7 +407,7 @@ register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, l
 def sdft_context(run, eps):
     """SDFT: the model shown a demonstration of this very task (the scripted expert's)."""
     demos = [envs.play(run.env, e.task, run.env.demo(e.task, random.Random(0))) for e in eps]
-    return M.text_prefix(run.teacher, run.tok, [experiences_text([run.env.trajectory_text(d)]) for d in demos])
+    return M.text_prefix(run.teacher, run.tok, [experiences_text([(d.task.prompt, run.env.trajectory_text(d))]) for d in demos])
 
 
 register('sdft', Method(distill, context=sdft_context, teacher='live', group=1, lr=1e-3,
@@ -421,7 +498,7 @@ register('skillsd', Method(
 def trajtext_context(run, eps):
     """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
     found = retrieve(run, [e.task for e in eps])
-    return Prefixes(M.text_prefix(run.teacher, run.tok, [experiences_text([m.text for m in f]) for f in found]),
+    return Prefixes(M.text_prefix(run.teacher, run.tok, [experiences_text([(m.task, m.text) for m in f]) for f in found]),
                     found=found)
 
 

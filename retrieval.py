@@ -139,8 +139,10 @@ class ExperienceBank:
         """The text whose embedding represents e in the bank."""
         return f"{e.task}\n{e.text}" if self.doc_trajectory else e.task
 
-    def retrieve(self, tasks: list[str], task_ids: list[str], J: int) -> list[list[Experience]]:
-        """Top-J stored experiences per task, most similar first; may be fewer than J, even none."""
+    def retrieve(self, tasks: list[str], task_ids: list[str], J: int,
+                 exclude_families: list[str] | None = None) -> list[list[Experience]]:
+        """Top-J stored experiences per task, most similar first; may be fewer than J, even none.
+        exclude_families (one per task): never return an experience of that family (a control)."""
         if len(tasks) != len(task_ids):
             raise ValueError(f"{len(tasks)} tasks but {len(task_ids)} task_ids")
         if len(self.exps) == 0 or len(tasks) == 0 or J <= 0:
@@ -149,6 +151,9 @@ class ExperienceBank:
         forbid = None
         if not self.allow_same_task:  # (Q, N) True where the stored entry is this very task
             forbid = np.array([[e.task_id == t for e in self.exps] for t in task_ids], dtype=bool)
+        if exclude_families is not None:
+            other = np.array([[e.family == f for e in self.exps] for f in exclude_families], dtype=bool)
+            forbid = other if forbid is None else forbid | other
         idx, _ = cosine_topk(q, self.emb, J, forbid)  # (Q, J')
         return [[self.exps[i] for i in row if i >= 0] for row in idx]
 

@@ -28,15 +28,14 @@ def tiny_base(tmp_path_factory):
     sys.path.insert(0, ROOT)
     import torch
     import envs
-    import model as M
     import train
     args = train.parse_args(TINY_BASE + ["--out_dir", str(tmp_path_factory.mktemp("tiny-base"))])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(1234)  # as train.build does before the model's init
-    tok, model = M.load(None, args.d_model, args.n_layer)
+    env = envs.make_env(args.env)
+    tok, model = train.load_model(args, env)  # as train.build does
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        path, _ = train.warmup(args, tok, model, envs.make_env(args.env), "cpu")
+        path, _ = train.warmup(args, tok, model, env, "cpu")
     torch.set_num_threads(threads)
     return path
 

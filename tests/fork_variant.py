@@ -8,7 +8,7 @@ import model as M
 def best_attempt_context(run, eps):
     """The teacher reads the best earlier attempt at this task; a task never tried gets no teacher."""
     best = run.state['best']
-    return [M.text_prefix(run.teacher, run.tok, [methods.experiences_text([best[e.task.task_id][1]])])[0]
+    return [M.text_prefix(run.teacher, run.tok, [methods.experiences_text([(e.task.prompt, best[e.task.task_id][1])])])[0]
             if e.task.task_id in best else None for e in eps]
 
 

@@ -45,16 +45,15 @@ def shared_base(runs):
     import torch
     sys.path.insert(0, ROOT)
     import envs
-    import model as M
     import train
     os.makedirs(runs, exist_ok=True)
     with filelock.FileLock(os.path.join(runs, "base.lock")):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        torch.manual_seed(1234)
-        tok, model = M.load(None, BASE["d_model"], BASE["n_layer"])
+        args, env = train.Args(**BASE, out_dir=runs), envs.make_env("tooluse")
+        tok, model = train.load_model(args, env)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            train.warmup(train.Args(**BASE, out_dir=runs), tok, model, envs.make_env("tooluse"), "cpu")
+            train.warmup(args, tok, model, env, "cpu")
         torch.set_num_threads(threads)
     return runs
 

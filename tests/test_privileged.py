@@ -1,0 +1,180 @@
+"""The pieces that give the teachers something to know: the warm-up's context demos (and what
+they must never show), the BPE tokenizer, LOPD's latents in the text context's slot, the
+centred margin, the trainable reader and the other-family control of retrieval."""
+import os
+import random
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import envs  # noqa: E402
+import lopd  # noqa: E402
+import methods  # noqa: E402
+import model as M  # noqa: E402
+import retrieval  # noqa: E402
+import train  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return envs.ToolUse(n_train=200, n_eval=20)
+
+
+@pytest.fixture(scope="module")
+def tok(env):
+    return M.byte_tokenizer(train.tokenizer_texts(env, n=300), 256)
+
+
+def tools(traj):
+    return re.findall(r"([a-z]+)\(", traj)
+
+
+def test_warmup_context_demos_never_show_an_opaque_familys_true_plan(env):
+    """Over many draws, in every form: no line of a context shows an opaque family's true plan
+    under that family's name, and a demo that follows a context never follows it either."""
+    pool, by_family = train.warmup_pool(env)
+    rng, forms = random.Random(0), set()
+    for _ in range(3000):
+        task = rng.choice(pool)
+        ep, ctx = train.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
+        form = ctx.split(":")[0]
+        forms.add(form)
+        true = envs.FAMILIES[task.family] if task.family in envs.OPAQUE else None
+        if form == "past":
+            lines = [line.strip().partition(": ") for line in ctx.removeprefix("past:").splitlines()]
+            for prompt, _, traj in lines:
+                fam = prompt.replace(prompt.split()[-1], "X")
+                assert fam not in envs.OPAQUE or tools(traj) != envs.FAMILIES[fam], ctx
+            followed = any(p.replace(p.split()[-1], "X") == task.family for p, _, _ in lines)
+        else:  # a reference solution, a skill, feedback: about this very task, which the demo then solves
+            assert true is None or tools(ctx) != true, ctx
+            followed = True
+        if true and followed:
+            assert tools(env.trajectory_text(ep)) != true
+    assert forms == {"past", "reference solution", "skill", "feedback"}
+    assert train.warmup_demo(env, pool[0], by_family, random.Random(0), p_ctx=0.0)[1] is None
+
+
+def test_warmup_past_form_holds_this_family_and_others(env):
+    """'past' contexts show 1-3 experiences, at least one of this task's family; 'unhelpful' ones none."""
+    pool, by_family = train.warmup_pool(env)
+    rng, kinds = random.Random(1), set()
+    for _ in range(1000):
+        task = rng.choice(pool)
+        ep, ctx = train.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
+        if not ctx.startswith("past:"):
+            continue
+        lines = [line.strip() for line in ctx.removeprefix("past:").splitlines()]
+        assert 1 <= len(lines) <= 3
+        same = sum(line.split(": ")[0].replace(line.split(": ")[0].split()[-1], "X") == task.family for line in lines)
+        kinds.add((same > 0, len(lines) - same > 0))
+    assert kinds == {(True, False), (True, True), (False, True)}
+
+
+def test_bpe_encodes_as_tiktokens_slow_reference_and_round_trips(env, tok):
+    from tiktoken import _educational as edu
+    ranks = {tok.enc.decode_single_token_bytes(i): i for i in range(tok.n_ordinary)}
+    hostile = ["quandle bo", "manager(quin) -> ted; answer ted", "lambda x: [v+2 for v in x]",
+               "<|eot|> é ☃ \x00 " * 3, "  \n\t x", "".join(chr(random.Random(s).randrange(0x20, 0x3000)) for s in range(80))]
+    for text in hostile:
+        got = tok.encode(text)
+        want = [t for piece in re.findall(M.PAT, text)
+                for t in edu.bpe_encode(ranks, piece.encode(), visualise=None)]
+        assert got == want
+        assert tok.decode(got) == text
+        assert all(t < tok.n_ordinary for t in got)  # special-token strings stay literal text
+    # deterministic, and a real saving over bytes
+    again = M.byte_tokenizer(train.tokenizer_texts(env, n=300), 256)
+    assert again.enc._mergeable_ranks == tok.enc._mergeable_ranks
+    text = methods.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
+    assert len(tok.encode(text)) * 2 < len(text.encode())
+
+
+def test_bpe_ranks_by_hand():
+    # 'ab' is the commonest pair (4), then 'abc' (ab+c, 3) beats 'xy' (2)
+    # pieces 'abc' ' abc' ' abc' ' ab' ' xy' ' xy': 'ab' is the commonest pair (4); then 'ab'+'c' and
+    # ' '+'ab' tie at 3 and the larger pair wins ('ab' > ' '); then three pairs tie at 2 and 'x'+'y' wins
+    ranks = M.bpe_ranks(["abc abc abc ab xy xy"], 3)
+    assert [k for k, v in sorted(ranks.items(), key=lambda kv: kv[1])][256:] == [b"ab", b"abc", b"xy"]
+    assert len(M.bpe_ranks(["ab"], 50)) == 257  # stops when nothing is left to merge
+
+
+def lopd_run(tok, model, K=3, reader="frozen"):
+    run = types.SimpleNamespace(teacher=model, model=model, tok=tok, device=torch.device("cpu"), rng=random.Random(0),
+                                method=methods.METHODS["lopd"],
+                                args=types.SimpleNamespace(K=K, J=3, lr=0.0, lr_composer=1e-3, reader=reader,
+                                                           bank_capacity=100, allow_same_task=False))
+    run.state = methods.lopd_state(run)
+    return run
+
+
+def test_latent_frame_puts_latents_where_the_text_context_puts_each_experience(tok):
+    """Slow reference: if each experience's K latents were the embeddings of its own text line,
+    the latent frame would be exactly the text context of those experiences."""
+    torch.manual_seed(0)
+    model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1).eval()
+    exps = [retrieval.Experience("a", "city of X", "city of bo", "city(bo) -> oslo; answer oslo", 1.0),
+            retrieval.Experience("b", "quandle X", "quandle ed", "team(ed) -> red; lead(red) -> cy; answer cy", 1.0)]
+    run = lopd_run(tok, model)
+    zs = [M.embed(model, torch.tensor(tok.encode(methods.experience_line(m)))) for m in exps]
+    frame = methods.latent_frame(run, zs)
+    text = M.text_prefix(model, tok, [methods.experiences_text([(m.task, m.text) for m in exps])])[0]
+    assert torch.equal(frame, text)
+    # and with K latents each: 4 framing tokens, then K + 1 per experience (its latents and a '\n')
+    K = 3
+    frame = methods.latent_frame(run, [torch.randn(K, 16) for _ in exps])
+    head = len([tok.bos, tok.ctx] + tok.encode("past:"))
+    assert frame.shape[0] == head + len(exps) * (K + 1)
+    nl = M.embed(model, torch.tensor(tok.encode("\n")))[0]
+    for j in range(len(exps)):
+        assert torch.equal(frame[head + j * (K + 1) + K], nl)
+
+
+def test_centered_margin_by_hand():
+    # two rows, one agent token each: δ = [0.5, −0.25]; r = [1, 0], mean r = 0.5 -> A = [0.5, −0.5]
+    lt, ls = torch.tensor([[-1.0], [-2.25]]), torch.tensor([[-1.5], [-2.0]])
+    mask, r = torch.ones(2, 1), torch.tensor([1.0, 0.0])
+    assert lopd.privileged_margin(lt, ls, mask, r, centered=True).item() == pytest.approx((0.5 * 0.5 + 0.5 * 0.25) / 2)
+    assert lopd.privileged_margin(lt, ls, mask, r).item() == pytest.approx((0.5 + 0.25) / 2)  # A = 2r − 1
+    # a batch of equal rewards: the centred margin is 0 whatever the teacher does
+    assert lopd.privileged_margin(lt, ls, mask, torch.ones(2), centered=True).item() == 0.0
+
+
+def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, tok):
+    torch.manual_seed(0)
+    model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
+    teacher = train.frozen_copy(model)
+    run = lopd_run(tok, teacher, reader="trained")
+    run.model = model
+    tasks = env.train_tasks[:4]
+    run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:40]])
+    eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in tasks]
+    ctx = methods.latents(run, eps, grad=True)
+    bodies, masks = zip(*[M.encode_episode(tok, e) for e in eps])
+    ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, "cpu")
+    logits_t = M.logits_on(teacher, methods.with_default(run, ctx), ids, attn)
+    logits_s = M.logits_on(model, M.bos_prefix(model, tok, len(eps)), ids, attn)
+    loss, _, _ = lopd.composer_loss(logits_s, logits_t, ids, amask, torch.tensor([1.0, 0, 1, 0]), 0.5, 0.05, 0.2,
+                                    ctx.z, ctx.z0)
+    loss.backward()
+    s = run.state
+    assert all(p.grad is not None for p in s["composer"].parameters())
+    assert sum(p.grad.abs().sum() for p in s["reader"].parameters() if p.grad is not None) > 0
+    for m in (teacher, model, s["composer0"], s["reader0"]):
+        assert all(p.grad is None for p in m.parameters())
+    assert {id(p) for g in s["opt_phi"].param_groups for p in g["params"]} == \
+        {id(p) for p in methods.phi_params(s["composer"], s["reader"])}
+
+
+def test_retrieval_can_exclude_the_querys_family():
+    bank = retrieval.ExperienceBank(retrieval.hashing_embedder())
+    bank.add([retrieval.Experience(f"t{i}", f, f"{f} bo", "x", 1.0) for i, f in enumerate(["quandle", "quandle", "zorbify"])])
+    got = bank.retrieve(["quandle ed"], ["q"], 3, exclude_families=["quandle"])
+    assert [e.family for e in got[0]] == ["zorbify"]
+    assert [e.family for e in bank.retrieve(["quandle ed"], ["q"], 3)[0]][:2] == ["quandle", "quandle"]
