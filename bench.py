@@ -435,19 +435,26 @@ def teacher_gap(o, out_dir, cmp_dir):
                 student = [e.reward for e in train.rollout(run.model, run.tok, run.env, tasks, greedy=True)[0]]
             for name, r in gap_rows(run, train.rollout, tasks).items():
                 rows[entry if name == m else name] = r
+        opaque = np.array([t.family in getattr(run.env, 'opaque', ()) for t in tasks])
+        write_gap(cmp_dir, o, train.CODE, time.time() - t0, tasks, opaque, student, rows)  # so far: a long report can be read as it goes
         print(f'teacher gap: {entry} done ({time.time() - t0:.0f}s)', flush=True)
-    opaque = np.array([t.family in getattr(run.env, 'opaque', ()) for t in tasks])
+    print('\n'.join(write_gap(cmp_dir, o, train.CODE, time.time() - t0, tasks, opaque, student, rows)))
+    return os.path.join(cmp_dir, 'teacher_gap.md')
+
+
+def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
+    """teacher_gap.md / .json from what is measured so far."""
     split = lambda r: (float(np.mean(r)), float(np.mean(np.array(r)[opaque])) if opaque.any() else None)
+    gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
     s_all, s_op = split(student)
     table = {'student': {'success': s_all, 'opaque': s_op}}
     md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update.',
-          f"`python bench.py {' '.join(o.argv)}`, code {train.CODE}, {time.time() - t0:.0f} s.", GAP_LEGEND, '',
+          f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
           '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque |',
           '|---|---|---|---|---|---|---|---|']
     for name, (r, cov) in rows.items():
         t_all, t_op = split(r)
         table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov}
-        gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
         md.append(f'| {name} | {cov:.2f} | {t_all:.3f} | {s_all:.3f} | {gap(t_all, s_all)} | {fmt(t_op)} | {fmt(s_op)} | '
                   f'{gap(t_op, s_op)} |')
     os.makedirs(cmp_dir, exist_ok=True)
@@ -455,15 +462,14 @@ def teacher_gap(o, out_dir, cmp_dir):
         json.dump(table, f, indent=1)
     with open(os.path.join(cmp_dir, 'teacher_gap.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
-    print('\n'.join(md))
-    return os.path.join(cmp_dir, 'teacher_gap.md')
+    return md
 
 
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
-GAP_EXTRA = {'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
+GAP_EXTRA = {'lopd-text': ['--method', 'lopd', '--cold_start', 'text'],      # text-to-latent distillation
              'lopd-self': ['--method', 'lopd', '--allow_same_task']}           # self-retrieval, as the paper's code allows
 GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
-              'lopd-nll: the paper\'s cold start (teacher NLL of successes); lopd-self: retrieval may return the task itself.')
+              'lopd-text: the cold start that distils the teacher reading the experiences as text into it reading the latents; lopd-self: retrieval may return the task itself.')
 
 
 # ----------------------------------------------------------------------------- main

@@ -351,8 +351,9 @@ register('lopd', Method(
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
            'lr_composer': arg(0.0, 'composer learning rate (0 = the student lr)', lo=0),
            'cold_start_steps': arg(300, 'composer pre-training steps', lo=0),
-           'cold_start': arg('text', 'cold start objective: text = the teacher reading the latents matches it reading '
-                             'the same experiences as text; nll = the paper\'s NLL of successes', choices=list(COLD_STARTS)),
+           'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of successes given "
+                             'their latents; text = the teacher reading the latents matches it reading the same '
+                             'experiences as text', choices=list(COLD_STARTS)),
            'balanced': arg(False, 'cold start: sample the bank\'s rollouts family-balanced'),
            'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                          choices=['frozen', 'trained']),

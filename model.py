@@ -23,6 +23,7 @@ student, `text_prefix` for a teacher told something in words), KV-cached decodin
 agent turn (`generate`) and scoring every prefix of a batch in one forward (`logits_on`).
 """
 import collections
+import hashlib
 import inspect
 import re
 
@@ -49,6 +50,11 @@ class Tokenizer:
             ids = {s: hf.convert_tokens_to_ids(s) for s in SPECIALS}
             self.vocab_size = len(hf)
         self.bos, self.obs, self.agent, self.eot, self.ctx, self.pad = (ids[s] for s in SPECIALS)
+
+    def digest(self):
+        """A short hash of the vocabulary (ranks and specials), so that caches built on another tokenizer are not reused."""
+        vocab = sorted(self.enc._mergeable_ranks.items()) if self.enc is not None else sorted(self.hf.get_vocab().items())
+        return hashlib.sha1(repr(vocab).encode()).hexdigest()[:10]
 
     def encode(self, text):
         # plain text only: special-token strings inside model or env text stay literal bytes

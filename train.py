@@ -8,10 +8,12 @@ One LOPD training step (Zhang et al. 2026, arXiv 2608.13040; one rollout per tas
   5. student_phase   one optimizer step of θ on L_distill = Σ_{t∈A} KL(π_θ ‖ sg π_T) / |A|
   6. composer_phase  one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖²; β ← max(0, β + η_β(m − Δ))
   7. write_back      new successful rollouts go into the bank
-Before step 1, once: the warm-up (supervised on noisy-expert demos, cached under runs/ and
-shared by every method) and the method's setup (LOPD's cold start: fill the bank with base
-rollouts, which count toward the episode budget, then pre-train φ by the frozen teacher's
-NLL of successful trajectories given the latents of *other* tasks' experiences).
+Before step 1, once: the warm-up (supervised on noisy-expert demos, 60% of them with a
+privileged context to read, cached under runs/ and shared by every method) and the method's
+setup (LOPD's cold start: fill the bank with base rollouts, which count toward the episode
+budget, then pre-train φ by the frozen teacher's NLL of successful trajectories given the
+latents of their retrieved experiences; `--cold_start text` instead makes the teacher reading
+the latents act as it does reading the same experiences as text).
 
 Every method goes through the same train_step: rollout -> teacher_phase (the method's context
 builder, steps 2-3 for LOPD) -> student_phase (its loss) -> its after-step hook (steps 6-7 for
@@ -21,9 +23,9 @@ The plumbing (checkpoints, caches, signals, logs, plots) is in bookkeeping.py.
 Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and its clip
 never binds (the loss is the clipped objective all the same); LOPD's teacher forward is run
 once with φ's graph kept and reused by the student phase (detached) and the composer phase,
-which gives the same numbers as two separate forwards; the latents follow <|bos|> with no
-framing text (framing hurt our from-scratch base, see methods.latents); a tiny Llama and toy
-environments stand in for a 4B model and EnvScaler.
+which gives the same numbers as two separate forwards; the latents sit in the text context's
+slot, framed as the text is (methods.latent_frame); a tiny Llama with a small BPE vocabulary
+learned offline and toy environments stand in for a 4B model and EnvScaler.
 """
 import argparse
 import copy
@@ -79,10 +81,11 @@ class Args:
     n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
     bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
                           '(0 = plain bytes)', lo=0, group=MODEL)
-    warmup_steps: int = arg(250, 'supervised warm-up steps on noisy-expert demos', lo=0, group=MODEL)
+    warmup_steps: int = arg(500, 'supervised warm-up steps on noisy-expert demos', lo=0, group=MODEL)
     warmup_batch: int = arg(64, 'demos per warm-up step', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
-    warmup_ctx: float = arg(0.0, 'fraction of warm-up demos that teach the base to read a text context', lo=0, hi=1,
+    warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
+                            '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
                             group=MODEL)
 
 
@@ -268,7 +271,8 @@ def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
     key = json.dumps(['v7', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.bpe_merges, M.SPECIALS, M.MAX_OBS_CHARS])
+                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, M.SPECIALS,
+                      M.MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
