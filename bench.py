@@ -434,7 +434,7 @@ def teacher_gap(o, out_dir, cmp_dir):
             if student is None:
                 student = [e.reward for e in train.rollout(run.model, run.tok, run.env, tasks, greedy=True)[0]]
             for name, r in gap_rows(run, train.rollout, tasks).items():
-                rows[entry if name == m else name] = r
+                rows[entry + name[len(m):]] = r  # e.g. lopd-balanced, lopd-balanced-control
         opaque = np.array([t.family in getattr(run.env, 'opaque', ()) for t in tasks])
         write_gap(cmp_dir, o, train.CODE, time.time() - t0, tasks, opaque, student, rows)  # so far: a long report can be read as it goes
         print(f'teacher gap: {entry} done ({time.time() - t0:.0f}s)', flush=True)
@@ -467,9 +467,15 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
 
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
 GAP_EXTRA = {'lopd-text': ['--method', 'lopd', '--cold_start', 'text'],      # text-to-latent distillation
-             'lopd-self': ['--method', 'lopd', '--allow_same_task']}           # self-retrieval, as the paper's code allows
+             'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
+             'lopd-stored': ['--method', 'lopd', '--cold_start_sample', 'stored'],  # the paper's sampling
+             'lopd-reader': ['--method', 'lopd', '--reader', 'trained'],
+             'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
+             'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
 GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
-              'lopd-text: the cold start that distils the teacher reading the experiences as text into it reading the latents; lopd-self: retrieval may return the task itself.')
+              'lopd-text: the cold start that distils the teacher reading the experiences as text into it reading the latents; lopd-self: retrieval may return the task itself; '
+              'lopd-stored: the cold start draws the bank\'s rollouts as stored, not family-balanced; lopd-reader: a trainable reader; -expert: the bank filled with the '
+              'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
 
 
 # ----------------------------------------------------------------------------- main

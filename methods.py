@@ -146,6 +146,8 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
     'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
     'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
+    'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts (the method), or the scripted "
+                       "expert's demos (a diagnostic upper bound: what the teacher could know)", choices=['rollouts', 'expert']),
 }
 
 READING_FRAME = 'task to solve: {task}\nreference past trajectory: '  # how the composer's reader sees one experience
@@ -274,7 +276,12 @@ def fill_bank(run, rollout):
     a, rows = run.args, []
     for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
         with run.timer('rollout'):
-            eps, bodies, masks = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, a.batch))
+            tasks = run.rng.sample(run.env.train_tasks, a.batch)
+            if a.bank_source == 'expert':  # the diagnostic upper bound: the scripted expert's demos, not the base's own
+                eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
+                bodies, masks = zip(*[M.encode_episode(run.tok, e) for e in eps])
+            else:
+                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
         run.episodes += len(eps)
         write_back(run, eps)
         rows += list(zip(eps, bodies, masks))
@@ -324,14 +331,15 @@ COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
 
 def cold_start(run, rollout):
     """Fill the bank with base rollouts, then pre-train φ (COLD_STARTS: the paper's NLL of the
-    successes, or text-to-latent distillation on every rollout), optionally family-balanced."""
+    successes, or text-to-latent distillation on every rollout), family-balanced by default."""
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
     rows = [r for r in rows if r[0].reward > 0] if a.cold_start == 'nll' else rows
     opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=lr_phi(run))
     for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
         with run.timer('cold_start'):
-            pick = balanced_sample(run.rng, rows, 32) if a.balanced else run.rng.sample(rows, min(32, len(rows)))
+            pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
+                run.rng.sample(rows, min(32, len(rows)))
             eps, bodies, masks = zip(*pick)
             loss = COLD_STARTS[a.cold_start](run, eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
             optimizer_step(run, opt, loss, phi_params(s['composer'], s['reader']))
@@ -354,7 +362,8 @@ register('lopd', Method(
            'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of successes given "
                              'their latents; text = the teacher reading the latents matches it reading the same '
                              'experiences as text', choices=list(COLD_STARTS)),
-           'balanced': arg(False, 'cold start: sample the bank\'s rollouts family-balanced'),
+           'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
+                                    choices=['balanced', 'stored']),
            'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                          choices=['frozen', 'trained']),
            'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",

@@ -280,3 +280,27 @@ def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
     assert not bench.cached("setup:  10%| 30/300 [00:30<05:00, nll=0.02]", "setup")
     assert bench.cached("setup: runs/setup-lopd-tooluse-s1-0123456789.pt", "setup")
     assert not bench.cached("setup: runs/setup-lopd-tooluse-s1-0123456789.pt", "warm-up")
+
+
+def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
+    """--teacher_gap builds each run in-process (warm-up cached, LOPD's cold start) and writes
+    one row per teacher, LOPD's other-family control included; the student's column is the
+    base's greedy success on the same tasks, recomputed here."""
+    import numpy as np
+    base_in(tmp_path)
+    tiny = [f for f in TINY if f not in ("--eval_tasks", "16", "--teacher_eval", "8")]
+    bench.main(["--teacher_gap", "--methods", "opsd,lopd,lopd-expert", "--gap_tasks", "12", "--out_dir", str(tmp_path), *tiny])
+    out = capsys.readouterr().out
+    table = json.loads((tmp_path / "compare-tooluse" / "teacher_gap.json").read_text())
+    assert set(table) == {"student", "opsd", "lopd", "lopd-control", "lopd-expert", "lopd-expert-control"}
+    for name, row in table.items():
+        assert 0 <= row["success"] <= 1 and (row["opaque"] is None or 0 <= row["opaque"] <= 1), name
+    args = train.parse_args([*tiny, "--method", "grpo", "--out_dir", str(tmp_path), "--name", "check"])
+    env = train.envs.make_env("tooluse")
+    tok, model = train.load_model(args, env)
+    train.warmup(args, tok, model, env, "cpu")
+    tasks = env.eval_tasks[:12]
+    want = np.mean([e.reward for e in train.rollout(model.eval(), tok, env, tasks, greedy=True)[0]])
+    assert table["student"]["success"] == pytest.approx(want)
+    md = (tmp_path / "compare-tooluse" / "teacher_gap.md").read_text()
+    assert "| lopd-control |" in md and "teacher_gap.md" in out.strip().splitlines()[-1]
