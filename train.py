@@ -240,7 +240,17 @@ def warmup_pool(env):
 
 def tokenizer_texts(env, n=2000):
     """What the tiny model will read, for its BPE merges (model.bpe_ranks): warm-up demos, half
-    of them with a privileged context, and LOPD's reading frame. Deterministic."""
+    of them with a privileged context, and LOPD's reading frame. Deterministic, and the same for
+    every instance of an environment, so it is made once per process."""
+    if (env.name, n) not in _TEXTS:
+        _TEXTS[env.name, n] = _tokenizer_texts(env, n)
+    return _TEXTS[env.name, n]
+
+
+_TEXTS = {}
+
+
+def _tokenizer_texts(env, n):
     rng, (pool, by_family) = random.Random(4321), warmup_pool(env)
     texts = [methods.READING_FRAME]
     for t in rng.sample(pool, n):
