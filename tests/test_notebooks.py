@@ -31,7 +31,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 MAX_BYTES = 500_000
 
 
-BASE = dict(d_model=64, n_layer=2, warmup_steps=150, warmup_batch=64, warmup_lr=4e-3, warmup_ctx=0.4)  # as they say
+BASE = dict(d_model=64, n_layer=2, warmup_steps=300, warmup_batch=64, warmup_lr=4e-3, warmup_ctx=0.4)  # as they say
 
 
 def shared_base(runs):
