@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'methods.py', 'model.py', 'retrieval.py', 'train.py']
+MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'methods.py', 'model.py', 'retrieval.py', 'train.py', 'warmup.py']
 
 
 def fingerprint(files=()):

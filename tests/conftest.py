@@ -29,13 +29,14 @@ def tiny_base(tmp_path_factory):
     import torch
     import envs
     import train
+    import warmup
     args = train.parse_args(TINY_BASE + ["--out_dir", str(tmp_path_factory.mktemp("tiny-base"))])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     env = envs.make_env(args.env)
-    tok, model = train.load_model(args, env)  # as train.build does
+    tok, model = warmup.load_model(args, env)  # as train.build does
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        path, _ = train.warmup(args, tok, model, env, "cpu")
+        path, _ = warmup.warmup(args, tok, model, env, "cpu")
     torch.set_num_threads(threads)
     return path
 

@@ -15,6 +15,7 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 import train  # noqa: E402
+import warmup  # noqa: E402
 
 TINY = ["--episodes", "48", "--batch", "16", *TINY_BASE, "--init_episodes", "16", "--cold_start_steps", "2",
         "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
@@ -298,8 +299,8 @@ def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
         assert 0 <= row["success"] <= 1 and (row["opaque"] is None or 0 <= row["opaque"] <= 1), name
     args = train.parse_args([*tiny, "--method", "lopd", "--out_dir", str(tmp_path), "--name", "check"])
     env = train.envs.make_env("tooluse")
-    tok, model = train.load_model(args, env)
-    train.warmup(args, tok, model, env, "cpu")
+    tok, model = warmup.load_model(args, env)
+    warmup.warmup(args, tok, model, env, "cpu")
     tasks = env.eval_tasks[:12]
     want = np.mean([e.reward for e in train.rollout(model.eval(), tok, env, tasks, greedy=True)[0]])
     assert table["student"]["success"] == pytest.approx(want)

@@ -46,14 +46,15 @@ def shared_base(runs):
     sys.path.insert(0, ROOT)
     import envs
     import train
+    import warmup
     os.makedirs(runs, exist_ok=True)
     with filelock.FileLock(os.path.join(runs, "base.lock")):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         args, env = train.Args(**BASE, out_dir=runs), envs.make_env("tooluse")
-        tok, model = train.load_model(args, env)
+        tok, model = warmup.load_model(args, env)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            train.warmup(args, tok, model, env, "cpu")
+            warmup.warmup(args, tok, model, env, "cpu")
         torch.set_num_threads(threads)
     return runs
 

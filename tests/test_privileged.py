@@ -17,6 +17,7 @@ import methods  # noqa: E402
 import model as M  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
+import warmup  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -28,7 +29,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def tok(env):
-    return M.byte_tokenizer(train.tokenizer_texts(env, n=300), 256)
+    return M.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
 
 
 def tools(traj):
@@ -38,11 +39,11 @@ def tools(traj):
 def test_warmup_context_demos_never_show_an_opaque_familys_true_plan(env):
     """Over many draws, in every form: no line of a context shows an opaque family's true plan
     under that family's name, and a demo that follows a context never follows it either."""
-    pool, by_family = train.warmup_pool(env)
+    pool, by_family = warmup.warmup_pool(env)
     rng, forms = random.Random(0), set()
     for _ in range(3000):
         task = rng.choice(pool)
-        ep, ctx = train.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
+        ep, ctx = warmup.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
         form = ctx.split(":")[0]
         forms.add(form)
         true = envs.FAMILIES[task.family] if task.family in envs.OPAQUE else None
@@ -58,16 +59,16 @@ def test_warmup_context_demos_never_show_an_opaque_familys_true_plan(env):
         if true and followed:
             assert tools(env.trajectory_text(ep)) != true
     assert forms == {"past", "reference solution", "skill", "feedback"}
-    assert train.warmup_demo(env, pool[0], by_family, random.Random(0), p_ctx=0.0)[1] is None
+    assert warmup.warmup_demo(env, pool[0], by_family, random.Random(0), p_ctx=0.0)[1] is None
 
 
 def test_warmup_past_form_holds_this_family_and_others(env):
     """'past' contexts show 1-3 experiences, at least one of this task's family; 'unhelpful' ones none."""
-    pool, by_family = train.warmup_pool(env)
+    pool, by_family = warmup.warmup_pool(env)
     rng, kinds = random.Random(1), set()
     for _ in range(1000):
         task = rng.choice(pool)
-        ep, ctx = train.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
+        ep, ctx = warmup.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
         if not ctx.startswith("past:"):
             continue
         lines = [line.strip() for line in ctx.removeprefix("past:").splitlines()]
@@ -90,7 +91,7 @@ def test_bpe_encodes_as_tiktokens_slow_reference_and_round_trips(env, tok):
         assert tok.decode(got) == text
         assert all(t < tok.n_ordinary for t in got)  # special-token strings stay literal text
     # deterministic, and a real saving over bytes
-    again = M.byte_tokenizer(train.tokenizer_texts(env, n=300), 256)
+    again = M.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
     assert again.enc._mergeable_ranks == tok.enc._mergeable_ranks
     text = methods.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
     assert len(tok.encode(text)) * 2 < len(text.encode())
