@@ -104,7 +104,17 @@ def experiences_text(pairs):
     """Past experiences [(task prompt, trajectory text)] as one context: 'past: quandle bo: team(bo) -> red; …\n
     city of ed: city(ed) -> oslo; answer oslo\n' (each line starts with a space, so it tokenizes alone).
     Each trajectory carries its task, so that a reader can tell which of them is about this task's family."""
-    return 'past:' + ''.join(f' {task}: {traj}\n' for task, traj in pairs)
+    return 'past:' + ''.join(experience_line(task, traj) + '\n' for task, traj in pairs)
+
+
+def experience_line(task, traj):
+    """One experience as a line of the context, without its newline (LOPD's reader reads the same line)."""
+    return f' {task}: {traj}'
+
+
+def bank_text(found):
+    """Retrieved bank entries as one text context (Traj-text's, and LOPD's text-to-latent cold start's)."""
+    return experiences_text([(m.task, m.text) for m in found])
 
 
 def with_default(run, prefixes):
@@ -189,7 +199,7 @@ def compose(run, tasks, found, grad):
     latents per experience. -> z with φ's graph if grad, z0 from φ0 (ΣN·K, d)."""
     d = run.teacher.get_input_embeddings().weight.shape[1]
     heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
-    bodies = [run.tok.encode(experience_line(m))[:200] for f in found for m in f]
+    bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
     if not heads:
         empty = torch.zeros(0, d, device=run.device)
         return empty, empty
@@ -205,11 +215,6 @@ def compose(run, tasks, found, grad):
         h = M.hidden(s['reader'], ids, attn) if s['reader'] is not None else h0  # (N, L, d)
         z = s['composer'](h, pool)                                              # (N, K, d)
     return z.reshape(-1, d), z0.reshape(-1, d)
-
-
-def experience_line(m):
-    """One stored experience as a line of text, as experiences_text writes it (without the frame)."""
-    return f' {m.task}: {m.text}'
 
 
 def latent_frame(run, zs):
@@ -320,7 +325,7 @@ def cold_start_text(run, eps, ids, amask, attn):
     ctx = latents(run, eps, grad=True)
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     with torch.no_grad():
-        text = M.text_prefix(run.teacher, run.tok, [experiences_text([(m.task, m.text) for m in f]) for f in ctx.found])
+        text = M.text_prefix(run.teacher, run.tok, [bank_text(f) for f in ctx.found])
         logits_text = M.logits_on(run.teacher, text, ids, attn)
     logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
     return lopd.masked_mean(lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask))
@@ -508,7 +513,7 @@ register('skillsd', Method(
 def trajtext_context(run, eps):
     """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
     found = retrieve(run, [e.task for e in eps])
-    return Prefixes(M.text_prefix(run.teacher, run.tok, [experiences_text([(m.task, m.text) for m in f]) for f in found]),
+    return Prefixes(M.text_prefix(run.teacher, run.tok, [bank_text(f) for f in found]),
                     found=found)
 
 

@@ -123,7 +123,7 @@ def test_latent_frame_puts_latents_where_the_text_context_puts_each_experience(t
     exps = [retrieval.Experience("a", "city of X", "city of bo", "city(bo) -> oslo; answer oslo", 1.0),
             retrieval.Experience("b", "quandle X", "quandle ed", "team(ed) -> red; lead(red) -> cy; answer cy", 1.0)]
     run = lopd_run(tok, model)
-    zs = [M.embed(model, torch.tensor(tok.encode(methods.experience_line(m)))) for m in exps]
+    zs = [M.embed(model, torch.tensor(tok.encode(methods.experience_line(m.task, m.text)))) for m in exps]
     frame = methods.latent_frame(run, zs)
     text = M.text_prefix(model, tok, [methods.experiences_text([(m.task, m.text) for m in exps])])[0]
     assert torch.equal(frame, text)
