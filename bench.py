@@ -394,16 +394,18 @@ def gap_rows(run, rollout, tasks):
     """Before any student update: the student's and its teacher's held-out success on the same tasks
     (greedy), overall and on opaque families. The teacher's context is the method's own, built on
     the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of each
-    group taken. LOPD also gets the control: latents composed from other-family experiences only.
+    group taken. LOPD and Traj-text also get the control: other-family experiences only (as latents, as text).
     -> {row name: (teacher success per task, rows that got a context)}."""
     import torch
+    import model as M
     G = run.method.group
     eps = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])[0]
     contexts = {run.args.method: run.method.context(run, eps)[::G]}
+    others = lambda: methods.retrieve(run, [e.task for e in eps[::G]], other_family=True)
     if run.args.method == 'lopd':
-        firsts = eps[::G]
-        contexts['lopd-control'] = methods.latents(
-            run, firsts, grad=False, found=methods.retrieve(run, [e.task for e in firsts], other_family=True))
+        contexts['lopd-control'] = methods.latents(run, eps[::G], grad=False, found=others())
+    if run.args.method == 'trajtext':  # the same control as text: what other families' experiences tell
+        contexts['trajtext-control'] = M.text_prefix(run.teacher, run.tok, [methods.bank_text(f) for f in others()])
     out = {}
     with torch.no_grad():
         for name, ctx in contexts.items():
@@ -447,14 +449,16 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     split = lambda r: (float(np.mean(r)), float(np.mean(np.array(r)[opaque])) if opaque.any() else None)
     gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
     s_all, s_op = split(student)
-    table = {'student': {'success': s_all, 'opaque': s_op}}
+    fams = sorted({t.family for t in tasks})
+    by_family = lambda r: {f: float(np.mean([x for x, t in zip(r, tasks) if t.family == f])) for f in fams}
+    table = {'student': {'success': s_all, 'opaque': s_op, 'by_family': by_family(student)}}
     md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update.',
           f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
           '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque |',
           '|---|---|---|---|---|---|---|---|']
     for name, (r, cov) in rows.items():
         t_all, t_op = split(r)
-        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov}
+        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov, 'by_family': by_family(r)}
         md.append(f'| {name} | {cov:.2f} | {t_all:.3f} | {s_all:.3f} | {gap(t_all, s_all)} | {fmt(t_op)} | {fmt(s_op)} | '
                   f'{gap(t_op, s_op)} |')
     os.makedirs(cmp_dir, exist_ok=True)
@@ -473,6 +477,7 @@ GAP_EXTRA = {'lopd-text': ['--method', 'lopd', '--cold_start', 'text'],      # t
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
 GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
+              'trajtext-control: the same other-family experiences shown as text; '
               'lopd-text: the cold start that distils the teacher reading the experiences as text into it reading the latents; lopd-self: retrieval may return the task itself; '
               'lopd-stored: the cold start draws the bank\'s rollouts as stored, not family-balanced; lopd-reader: a trainable reader; -expert: the bank filled with the '
               'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')

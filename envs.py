@@ -14,14 +14,16 @@ tokens. Model output is untrusted: malformed or hostile text gets an error
 observation and reward 0, never an exception, and every episode ends within
 `max_turns` agent turns.
 
-Tool use (multi-turn). Each task draws a small random world: 6 people, each with a
-city, a team and a manager; each team has a lead. The agent calls one tool per turn,
-`manager(x)`, `city(x)`, `team(x)` or `lead(t)`, reads the result, and finally writes
-`answer y`. A task family is a fixed tool plan. Transparent families say their plan
+Tool use (multi-turn). Each task draws a small random world: 12 people, each with a
+city of their own, a team and a manager; each of 4 teams has a lead. The agent calls one
+tool per turn, `manager(x)`, `city(x)`, `team(x)` or `lead(t)`, reads the result, and finally
+writes `answer y`. A task family is a fixed tool plan. Transparent families say their plan
 ("city of manager of bo"); opaque ones do not ("quandle bo" = city of lead of team of bo),
 so their plan can only be learned from experience, and one opaque family ("snarfle")
 never appears in the warm-up data. Answers are copied from observations, never computed, so
-they can only be known by calling the tools.
+they can only be known by calling the tools; and each world is redrawn until no other plan
+an episode can run reaches its answer, so a success always means the family's plan (a lucky
+answer from a wrong plan would be an experience that teaches the wrong plan).
 
 Code generation (multi-turn, up to two attempts). The task shows input/output examples
 of a small list or string function; the agent writes `lambda x: ...` in a restricted
@@ -69,7 +71,8 @@ class Step:
 
 NAMES = ['ada', 'bo', 'cy', 'di', 'ed', 'flo', 'gus', 'hal', 'ivy', 'jo', 'kai', 'lu',
          'max', 'ned', 'oz', 'pia', 'quin', 'ray', 'sue', 'ted', 'uma', 'vic', 'wes', 'zoe']
-CITIES = ['oslo', 'rome', 'lima', 'kyiv', 'baku', 'doha', 'riga', 'nice', 'bern', 'faro']
+CITIES = ['oslo', 'rome', 'lima', 'kyiv', 'baku', 'doha', 'riga', 'nice', 'bern', 'faro', 'pisa', 'york',
+          'bonn', 'cork', 'graz', 'kiel', 'lyon', 'metz', 'oulu', 'turin', 'varna', 'nara', 'vigo', 'sofia']
 TEAMS = ['red', 'blue', 'green', 'gold', 'gray', 'pink']
 TOOLS = {'manager': 'person', 'city': 'person', 'team': 'person', 'lead': 'team'}  # tool -> argument type
 
@@ -97,11 +100,11 @@ MAX_ACTION_CHARS = 64
 
 
 def random_world(rng):
-    people = rng.sample(NAMES, 6)
-    teams = rng.sample(TEAMS, 3)
+    people = rng.sample(NAMES, 12)
+    teams = rng.sample(TEAMS, 4)
     world = {'people': people, 'teams': teams, 'lead': {t: rng.choice(people) for t in teams}}
-    for p in people:
-        world[p] = {'city': rng.choice(CITIES), 'team': rng.choice(teams),
+    for p, city in zip(people, rng.sample(CITIES, len(people))):  # one city per person
+        world[p] = {'city': city, 'team': rng.choice(teams),
                     'manager': rng.choice([q for q in people if q != p])}
     return world
 
@@ -119,25 +122,38 @@ def call_tool(world, tool, arg):
     return world[arg][tool], None
 
 
+def type_correct_plans(max_calls):
+    """Every tool plan of 1..max_calls calls whose calls type-check and whose result is a person or a city."""
+    plans = []
+
+    def grow(plan, kind):
+        if plan and kind != 'team':
+            plans.append(plan)
+        if kind == 'city' or len(plan) == max_calls:
+            return
+        for tool in (['lead'] if kind == 'team' else ['manager', 'city', 'team']):
+            grow(plan + [tool], {'manager': 'person', 'lead': 'person'}.get(tool, tool))
+    grow([], 'person')
+    return plans
+
+
+MAX_CALLS = 5                     # max_turns 6 = 5 calls + the answer
+ALL_PLANS = type_correct_plans(MAX_CALLS)   # everything an agent can run in one episode (31 plans)
+GUESSES = type_correct_plans(4)   # the noisy expert's guesses (18 plans, every opaque plan among them)
+
+
 def random_plan(rng, avoid=None):
-    """A type-correct random tool plan of 1-5 calls (the noisy expert's guess); redrawn while it equals `avoid`."""
-    plan = _random_plan(rng)
+    """The noisy expert's guess: one of the 18 plans of 1-4 calls, uniformly; redrawn while it equals `avoid`."""
+    plan = rng.choice(GUESSES)
     while plan == avoid:
-        plan = _random_plan(rng)
-    return plan
+        plan = rng.choice(GUESSES)
+    return list(plan)
 
 
-def _random_plan(rng):
-    plan, kind = [], 'person'
-    for _ in range(rng.randint(1, 4)):
-        tool = rng.choice(['lead'] if kind == 'team' else ['manager', 'city', 'team'])
-        plan.append(tool)
-        if tool == 'city':
-            break
-        kind = 'team' if tool == 'team' else 'person'
-    if kind == 'team' and plan[-1] == 'team':  # the answer must be a person or a city
-        plan.append('lead')
-    return plan
+def run_plan(world, plan, x):
+    for tool in plan:
+        x, _ = call_tool(world, tool, x)
+    return x
 
 
 class ToolUse:
@@ -160,15 +176,18 @@ class ToolUse:
         tasks = []
         for i in range(n):
             family = families[i % len(families)]
-            answer = x = None
-            while answer == x:  # redraw worlds where the answer is the person asked about:
-                world = random_world(rng)  # echoing the name must never be a solution
-                x = rng.choice(world['people'])
-                answer, steps = x, []
-                for tool in FAMILIES[family]:
-                    result, _ = call_tool(world, tool, answer)
-                    steps.append(f'{tool}({answer}) -> {result}')
-                    answer = result
+            plan = FAMILIES[family]
+            while True:  # redraw the world until the answer is reached by this family's plan only:
+                world = random_world(rng)  # then a right answer means the right plan (no lucky
+                x = rng.choice(world['people'])  # wins to learn a wrong plan from), and echoing the
+                answer = run_plan(world, plan, x)  # name asked about is never a solution
+                if answer != x and all(run_plan(world, p, x) != answer for p in ALL_PLANS if p != plan):
+                    break
+            steps, value = [], x
+            for tool in plan:
+                result, _ = call_tool(world, tool, value)
+                steps.append(f'{tool}({value}) -> {result}')
+                value = result
             solution = '; '.join(steps + [f'answer {answer}'])
             tasks.append(Task(prompt=family.replace('X', x), family=family, task_id=f'{split}{seed}-{i}',
                               answer=answer, solution=solution, world=world))
@@ -206,8 +225,9 @@ class ToolUse:
         """Scripted expert (always right) or noisy expert (the warm-up data).
 
         The noisy expert follows the right plan on transparent families 85% of the time;
-        on opaque families it knows nothing and guesses a random plan, so the base model
-        has to learn those plans from experience. `plan` forces a tool plan (the warm-up's
+        on opaque families it knows nothing and guesses one of 18 plans uniformly (the true
+        one among them: the base can find it by exploring, but prefers no plan), so the
+        base model has to learn those plans from experience. `plan` forces a tool plan (the warm-up's
         context-reading demos use random plans, so that they never reveal an opaque one)."""
         plan = plan or FAMILIES[task.family]
         if noisy and (task.family in OPAQUE or rng.random() < 0.15):

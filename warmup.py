@@ -125,7 +125,7 @@ def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16):
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
-    key = json.dumps(['v7', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
+    key = json.dumps(['v8', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
                       args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, M.SPECIALS,
                       M.MAX_OBS_CHARS])
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')

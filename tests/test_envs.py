@@ -85,10 +85,33 @@ def test_noisy_expert_is_well_formed(env):
         assert all(not o.startswith("error") for _, o in ep.turns)
 
 
-def test_random_plan_has_1_to_5_calls():
+def test_random_plan_is_uniform_over_the_18_type_correct_plans_of_1_to_4_calls():
+    assert len(envs.GUESSES) == 18 and len(envs.ALL_PLANS) == 31
     rng = random.Random(0)
-    lengths = [len(envs.random_plan(rng)) for _ in range(2000)]
-    assert min(lengths) == 1 and max(lengths) == 5  # + the answer = 6 = max_turns: always room to answer
+    counts = Counter(tuple(envs.random_plan(rng)) for _ in range(18_000))
+    assert set(counts) == {tuple(p) for p in envs.GUESSES}
+    assert all(800 < c < 1200 for c in counts.values())        # 1000 expected each
+    for plan in envs.ALL_PLANS:  # + the answer fits in max_turns; every plan type-checks
+        assert 1 <= len(plan) <= envs.MAX_CALLS == envs.ToolUse.max_turns - 1
+        world = envs.random_world(rng)
+        value, kind = world['people'][0], 'person'
+        for tool in plan:
+            assert envs.TOOLS[tool] == kind
+            value, err = envs.call_tool(world, tool, value)
+            assert err is None
+            kind = 'team' if tool == 'team' else 'city' if tool == 'city' else 'person'
+        assert kind != 'team'
+    avoid = envs.FAMILIES['quandle X']
+    assert all(envs.random_plan(rng, avoid=avoid) != avoid for _ in range(2000))
+
+
+def test_only_the_family_plan_reaches_the_answer(env):
+    """No lucky wins: every other plan of up to 5 calls gives another result than the answer."""
+    for task in env.eval_tasks + env.train_tasks[:500]:
+        x, plan = task.prompt.split()[-1], envs.FAMILIES[task.family]
+        assert envs.run_plan(task.world, plan, x) == task.answer
+        hits = [p for p in envs.ALL_PLANS if envs.run_plan(task.world, p, x) == task.answer]
+        assert hits == [plan], (task.prompt, hits)
 
 
 def test_answer_is_never_the_person_in_the_prompt(env):
