@@ -470,16 +470,17 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
 
 
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
-GAP_EXTRA = {'lopd-text': ['--method', 'lopd', '--cold_start', 'text'],      # text-to-latent distillation
+GAP_EXTRA = {'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
+             'lopd-nll-stored': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_sample', 'stored'],  # ... and its sampling
+             'lopd-nll-reader': ['--method', 'lopd', '--cold_start', 'nll', '--reader', 'trained'],
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
-             'lopd-stored': ['--method', 'lopd', '--cold_start_sample', 'stored'],  # the paper's sampling
-             'lopd-reader': ['--method', 'lopd', '--reader', 'trained'],
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
 GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
               'trajtext-control: the same other-family experiences shown as text; '
-              'lopd-text: the cold start that distils the teacher reading the experiences as text into it reading the latents; lopd-self: retrieval may return the task itself; '
-              'lopd-stored: the cold start draws the bank\'s rollouts as stored, not family-balanced; lopd-reader: a trainable reader; -expert: the bank filled with the '
+              'lopd (default cold start): distils the teacher reading the experiences as text into it reading the latents; lopd-nll: the paper\'s cold start '
+              '(NLL of the successes given their latents); -stored: its rollouts drawn as stored, not family-balanced; -reader: a trainable reader; '
+              'lopd-self: retrieval may return the task itself; -expert: the bank filled with the '
               'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
 
 

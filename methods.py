@@ -183,7 +183,7 @@ def phi_params(composer, reader):
 
 
 def lr_phi(run):
-    return run.args.lr_composer or run.args.lr or run.method.lr  # the paper: lr_φ = lr_θ
+    return run.args.lr_composer or run.args.lr or run.method.lr
 
 
 def retrieve(run, tasks, other_family=False):
@@ -251,6 +251,8 @@ def composer_phase(run, b, logits_s, teacher):
     loss, delta, anchor = lopd.composer_loss(logits_s[keep], teacher.logits[keep], b.ids[keep], b.amask[keep],
                                              b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0,
                                              centered=a.advantage == 'centered')
+    for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds the lr it was built with)
+        g['lr'] = lr_phi(run)
     optimizer_step(run, s['opt_phi'], loss, phi_params(s['composer'], s['reader']))
     s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
     return {'delta': float(delta), 'anchor': float(anchor)}
@@ -340,7 +342,7 @@ def cold_start(run, rollout):
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
     rows = [r for r in rows if r[0].reward > 0] if a.cold_start == 'nll' else rows
-    opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=lr_phi(run))
+    opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=a.lr or run.method.lr)  # its own stage, at θ's lr
     for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
         with run.timer('cold_start'):
             pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
@@ -362,11 +364,12 @@ register('lopd', Method(
            'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
            'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
-           'lr_composer': arg(0.0, 'composer learning rate (0 = the student lr)', lo=0),
-           'cold_start_steps': arg(300, 'composer pre-training steps', lo=0),
-           'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of successes given "
-                             'their latents; text = the teacher reading the latents matches it reading the same '
-                             'experiences as text', choices=list(COLD_STARTS)),
+           'lr_composer': arg(0.0, 'composer-phase learning rate (0 = the student lr, as the paper\'s lr_φ = lr_θ)', lo=0,
+                              after_setup=True),
+           'cold_start_steps': arg(100, 'composer pre-training steps', lo=0),
+           'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
+                             "the same experiences as text (the default: its other-family control stays flat); nll = the "
+                             "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),
            'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
                                     choices=['balanced', 'stored']),
            'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
