@@ -366,7 +366,7 @@ register('lopd', Method(
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
            'lr_composer': arg(0.0, 'composer-phase learning rate (0 = the student lr, as the paper\'s lr_φ = lr_θ)', lo=0,
                               after_setup=True),
-           'cold_start_steps': arg(100, 'composer pre-training steps', lo=0),
+           'cold_start_steps': arg(300, 'composer pre-training steps (100: teacher gap +16, 300: +23)', lo=0),
            'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
                              "the same experiences as text (the default: its other-family control stays flat); nll = the "
                              "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),
