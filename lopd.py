@@ -190,19 +190,24 @@ def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
     return (A * delta_traj).mean()
 
 
-def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False):
+def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False, relative=False):
     """The composer's objective (the LOPD paper's composer loss), minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
 
     The KL keeps the teacher close to the student (stable targets), the margin term makes
     the latents carry reward-relevant information, the anchor keeps them near the
-    cold-start latents. ‖·‖² is the mean squared entry, so λ does not scale with d·K.
+    cold-start latents. ‖·‖² is the mean squared entry, so λ does not scale with d·K;
+    relative=True divides it by the mean squared entry of z0, so λ does not scale with the
+    embeddings either (our latents live at the token-embedding scale, ~100× below the
+    hidden-state scale the paper's λ = 0.2 was set at, where the anchor would hold nothing).
     -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
     logits_s = logits_s.detach()
     kl = masked_mean(divergence(logits_s, logits_t, 'rkl'), mask)
     delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward, centered)
     anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
+    if relative and z.numel():
+        anchor = anchor / (z0.detach() ** 2).mean().clamp(min=1e-12)
     loss = kl + beta * (margin - delta) + lam * anchor
     return loss, delta.detach(), anchor.detach()
 

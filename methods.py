@@ -250,7 +250,7 @@ def composer_phase(run, b, logits_s, teacher):
     a, s, keep = run.args, run.state, teacher.keep.to(run.device)
     loss, delta, anchor = lopd.composer_loss(logits_s[keep], teacher.logits[keep], b.ids[keep], b.amask[keep],
                                              b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0,
-                                             centered=a.advantage == 'centered')
+                                             centered=a.advantage == 'centered', relative=a.anchor == 'relative')
     for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds the lr it was built with)
         g['lr'] = lr_phi(run)
     optimizer_step(run, s['opt_phi'], loss, phi_params(s['composer'], s['reader']))
@@ -363,6 +363,8 @@ register('lopd', Method(
            'K': arg(4, 'latent tokens per retrieved experience', lo=1),
            'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
            'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
+           'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
+                         after_setup=True),
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
            'lr_composer': arg(0.0, 'composer-phase learning rate (0 = the student lr, as the paper\'s lr_φ = lr_θ)', lo=0,
                               after_setup=True),

@@ -498,3 +498,16 @@ def test_token_logp():
     y = torch.tensor([[0, 4, 2], [1, 1, 3]])
     want = torch.stack([torch.stack([F.log_softmax(logits[b, t], -1)[y[b, t]] for t in range(3)]) for b in range(2)])
     torch.testing.assert_close(lopd.token_logp(logits, y), want)
+
+
+def test_relative_anchor_by_hand():
+    """relative: mean (z − z0)² / mean z0², so scaling both latents leaves it unchanged."""
+    logits = torch.zeros(1, 2, 5)
+    y, mask, reward = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.tensor([1.0])
+    z0 = torch.tensor([[1.0, -1.0], [2.0, 0.0]])        # mean z0² = (1 + 1 + 4 + 0) / 4 = 1.5
+    z = torch.tensor([[1.0, 0.0], [2.0, 1.0]])          # mean (z − z0)² = (0 + 1 + 0 + 1) / 4 = 0.5
+    for scale in (1.0, 0.01):
+        _, _, rel = lopd.composer_loss(logits, logits, y, mask, reward, 0.0, 0.05, 0.2, scale * z, scale * z0, relative=True)
+        assert rel.item() == pytest.approx(0.5 / 1.5, rel=1e-6)
+    _, _, absolute = lopd.composer_loss(logits, logits, y, mask, reward, 0.0, 0.05, 0.2, 0.01 * z, 0.01 * z0)
+    assert absolute.item() == pytest.approx(0.5e-4, rel=1e-6)
