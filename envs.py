@@ -34,6 +34,7 @@ docstring). A failed first attempt gets the first failing test as feedback.
 Left out: tools with several arguments, partial credit, distractor tools, statements.
 """
 import ast
+import functools
 import random
 import re
 import time
@@ -156,6 +157,30 @@ def run_plan(world, plan, x):
     return x
 
 
+@functools.lru_cache(maxsize=16)  # the redraws cost ~3.5 s per env; tasks are never mutated, so a process shares them
+def _tool_tasks(n, seed, families, split):
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        family = families[i % len(families)]
+        plan = FAMILIES[family]
+        while True:  # redraw the world until the answer is reached by this family's plan only:
+            world = random_world(rng)  # then a right answer means the right plan (no lucky
+            x = rng.choice(world['people'])  # wins to learn a wrong plan from), and echoing the
+            answer = run_plan(world, plan, x)  # name asked about is never a solution
+            if answer != x and all(run_plan(world, p, x) != answer for p in ALL_PLANS if p != plan):
+                break
+        steps, value = [], x
+        for tool in plan:
+            result, _ = call_tool(world, tool, value)
+            steps.append(f'{tool}({value}) -> {result}')
+            value = result
+        solution = '; '.join(steps + [f'answer {answer}'])
+        tasks.append(Task(prompt=family.replace('X', x), family=family, task_id=f'{split}{seed}-{i}',
+                          answer=answer, solution=solution, world=world))
+    return tasks
+
+
 class ToolUse:
     name = 'tooluse'
     max_turns = 6           # 4 calls at most + answer + one slack turn for a mistake
@@ -171,27 +196,7 @@ class ToolUse:
         self.eval_tasks = self.make_tasks(n_eval, seed=20_000 + seed, split='eval')
 
     def make_tasks(self, n, seed, families=None, split='t'):
-        rng = random.Random(seed)
-        families = families or self.families
-        tasks = []
-        for i in range(n):
-            family = families[i % len(families)]
-            plan = FAMILIES[family]
-            while True:  # redraw the world until the answer is reached by this family's plan only:
-                world = random_world(rng)  # then a right answer means the right plan (no lucky
-                x = rng.choice(world['people'])  # wins to learn a wrong plan from), and echoing the
-                answer = run_plan(world, plan, x)  # name asked about is never a solution
-                if answer != x and all(run_plan(world, p, x) != answer for p in ALL_PLANS if p != plan):
-                    break
-            steps, value = [], x
-            for tool in plan:
-                result, _ = call_tool(world, tool, value)
-                steps.append(f'{tool}({value}) -> {result}')
-                value = result
-            solution = '; '.join(steps + [f'answer {answer}'])
-            tasks.append(Task(prompt=family.replace('X', x), family=family, task_id=f'{split}{seed}-{i}',
-                              answer=answer, solution=solution, world=world))
-        return tasks
+        return list(_tool_tasks(n, seed, tuple(families or self.families), split))
 
     def reset(self, task):
         return Episode(task=task)
