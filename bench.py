@@ -49,10 +49,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 _BENCH = sorted(((e, name, b) for name, m in methods.METHODS.items() for e, b in m.bench.items()),
                 key=lambda x: x[0] not in methods.METHODS)
 ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
-# --quick: ~10 runs of 1024 episodes. LOPD's 300-step cold start (~140 s on 2 cores) costs
-# more than its training at this budget, so quick shortens it; pass --cold_start_steps 300 to undo.
+# --quick: ~10 runs of 1024 episodes, evaluated every 256 episodes (at the default batch of 16)
 QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
-QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--cold_start_steps', '100']
+QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--eval_every', '16']
 # --tune: the same number of settings for every method (methods.py, Method.tune), the default
 # first (a tie keeps it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
 TUNE = {name: m.tune for name, m in methods.METHODS.items() if len(m.tune) > 1}

@@ -137,7 +137,12 @@ class Composer(nn.Module):
 
     def forward(self, h, mask):
         """h (N, L, d), mask (N, L) -> z (N, K, d)."""
-        return self.mlp(segment_pool(h, mask, self.K))
+        return self.from_pooled(segment_pool(h, mask, self.K))
+
+    def from_pooled(self, pooled):
+        """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
+        A frozen reading does not change, so it can be pooled once and reused (methods.cold_start)."""
+        return self.mlp(pooled)
 
 
 def segment_pool(h, mask, K):

@@ -193,28 +193,34 @@ def retrieve(run, tasks, other_family=False):
                                       exclude_families=[t.family for t in tasks] if other_family else None)
 
 
-def compose(run, tasks, found, grad):
+def compose(run, tasks, found, grad, read0=None):
     """Step 3: the reader (the frozen base, or with --reader trained its trainable copy) reads
     'task to solve: x / reference past trajectory: m_j'; the composer maps its hidden states to K
-    latents per experience. -> z with φ's graph if grad, z0 from φ0 (ΣN·K, d)."""
+    latents per experience. read0: the frozen reading of these experiences, already pooled
+    (reading(); the cold start reuses it). -> z with φ's graph if grad, z0 from φ0 (ΣN·K, d)."""
     d = run.teacher.get_input_embeddings().weight.shape[1]
-    heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
-    bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
-    if not heads:
+    if not any(found):
         empty = torch.zeros(0, d, device=run.device)
         return empty, empty
-    # we pool over the experience's own tokens only (read in the light of the task): pooled
-    # over the framing too, the first segments would describe the framing, not the plan
-    ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
-                                  [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
     s = run.state
     with torch.no_grad():
-        h0 = M.hidden(s['reader0'] or run.teacher, ids, attn)                   # (N, L, d) the cold-start reading
-        z0 = s['composer0'](h0, pool)                                           # (N, K, d) the anchor's target
+        read0 = reading(run, tasks, found, s['reader0'] or run.teacher) if read0 is None else read0  # (N, K, d)
+        z0 = s['composer0'].from_pooled(read0)                                  # (N, K, d) the anchor's target
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
-        h = M.hidden(s['reader'], ids, attn) if s['reader'] is not None else h0  # (N, L, d)
-        z = s['composer'](h, pool)                                              # (N, K, d)
+        read = reading(run, tasks, found, s['reader']) if s['reader'] is not None else read0
+        z = s['composer'].from_pooled(read)                                     # (N, K, d)
     return z.reshape(-1, d), z0.reshape(-1, d)
+
+
+def reading(run, tasks, found, reader):
+    """The reader's hidden states over each retrieved experience, pooled into K segments. We pool
+    over the experience's own tokens only (read in the light of the task): pooled over the framing
+    too, the first segments would describe the framing, not the plan. -> (N, K, d), N = Σ_i |found_i|."""
+    heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
+    bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
+    ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
+                                  [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
+    return lopd.segment_pool(M.hidden(reader, ids, attn), pool, run.args.K)
 
 
 def latent_frame(run, zs):
@@ -227,11 +233,11 @@ def latent_frame(run, zs):
     return torch.cat([head] + [x for z in zs for x in (z, sep)])
 
 
-def latents(run, eps, grad, found=None):
+def latents(run, eps, grad, found=None, read0=None):
     """Steps 2-3 -> Prefixes, latent_frame per rollout (None: nothing was retrieved)."""
     tasks, K = [e.task for e in eps], run.args.K
     found = retrieve(run, tasks) if found is None else found
-    z, z0 = compose(run, tasks, found, grad)
+    z, z0 = compose(run, tasks, found, grad, read0)
     prefixes, k = [], 0
     for f in found:
         prefixes.append(latent_frame(run, [z[k + j * K:k + (j + 1) * K] for j in range(len(f))]) if f else None)
@@ -281,9 +287,10 @@ def fill_bank(run, rollout):
     """Before training: base rollouts fill the bank (they count toward the budget). -> all of them,
     as (episode, body, agent mask)."""
     a, rows = run.args, []
-    for _ in tqdm(range(math.ceil(a.init_episodes / a.batch)), desc='fill bank', dynamic_ncols=True):
+    n = max(a.batch, 64)  # no gradient here: a bigger batch only decodes faster
+    for i in tqdm(range(0, a.init_episodes, n), desc='fill bank', dynamic_ncols=True):
         with run.timer('rollout'):
-            tasks = run.rng.sample(run.env.train_tasks, a.batch)
+            tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
             if a.bank_source == 'expert':  # the diagnostic upper bound: the scripted expert's demos, not the base's own
                 eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
                 bodies, masks = zip(*[M.encode_episode(run.tok, e) for e in eps])
@@ -310,21 +317,19 @@ def balanced_sample(rng, rows, n):
     return [rng.choice(by[rng.choice(fams)]) for _ in range(n)]
 
 
-def cold_start_nll(run, eps, ids, amask, attn):
+def cold_start_nll(run, ctx, ids, amask, attn):
     """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
     composed from their retrieved experiences."""
-    ctx = latents(run, eps, grad=True)
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
     return lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
 
 
-def cold_start_text(run, eps, ids, amask, attn):
+def cold_start_text(run, ctx, ids, amask, attn):
     """Text-to-latent distillation: the latents must make the teacher act as the same retrieved
     experiences shown as text do, KL(π_θ0(·|experiences as text) ‖ π_θ0(·|latents)) on every
     agent token of any stored rollout, success or failure (the text teacher knows the right
     next call after a wrong one too)."""
-    ctx = latents(run, eps, grad=True)
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     with torch.no_grad():
         text = M.text_prefix(run.teacher, run.tok, [bank_text(f) for f in ctx.found])
@@ -338,22 +343,39 @@ COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
 
 def cold_start(run, rollout):
     """Fill the bank with base rollouts, then pre-train φ (COLD_STARTS: the paper's NLL of the
-    successes, or text-to-latent distillation on every rollout), family-balanced by default."""
+    successes, or text-to-latent distillation on every rollout), family-balanced by default.
+    The bank does not change during the cold start, so each row's retrieval and its frozen
+    reading are made once, not at every step (the reading was half of a step's time)."""
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
     rows = [r for r in rows if r[0].reward > 0] if a.cold_start == 'nll' else rows
-    opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=a.lr or run.method.lr)  # its own stage, at θ's lr
+    with run.timer('cold_start'):
+        rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
+    opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=a.lr_cold_start or a.lr or run.method.lr)  # its own stage
     for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
         with run.timer('cold_start'):
             pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
                 run.rng.sample(rows, min(32, len(rows)))
-            eps, bodies, masks = zip(*pick)
-            loss = COLD_STARTS[a.cold_start](run, eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
+            eps, bodies, masks, found, read0 = zip(*pick)
+            ctx = latents(run, eps, grad=True, found=list(found), read0=torch.cat(read0))
+            loss = COLD_STARTS[a.cold_start](run, ctx, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
             optimizer_step(run, opt, loss, phi_params(s['composer'], s['reader']))
         bar.set_postfix(loss=f'{loss.item():.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
     if s['reader'] is not None:
         s['reader0'].load_state_dict(s['reader'].state_dict())
+
+
+@torch.no_grad()
+def frozen_reading(run, rows):
+    """-> per row (what it retrieves, its frozen reading pooled (J_i, K, d)), as compose would make them."""
+    tasks = [r[0].task for r in rows]
+    found = retrieve(run, tasks)
+    if not any(found):
+        return [(f, torch.zeros(0, run.args.K, run.model.get_input_embeddings().weight.shape[1], device=run.device))
+                for f in found]
+    read0 = reading(run, tasks, found, run.state['reader0'] or run.teacher).split([len(f) for f in found])
+    return list(zip(found, read0))
 
 
 register('lopd', Method(
@@ -366,9 +388,11 @@ register('lopd', Method(
            'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
                          after_setup=True),
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
-           'lr_composer': arg(0.0, 'composer-phase learning rate (0 = the student lr, as the paper\'s lr_φ = lr_θ)', lo=0,
+           'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; at the student's 1e-3 the KL term "
+                              "pulls the teacher onto the student within 16 steps; 0 = the student's)", lo=0,
                               after_setup=True),
-           'cold_start_steps': arg(300, 'composer pre-training steps (100: teacher gap +16, 300: +23)', lo=0),
+           'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
+           'cold_start_steps': arg(100, 'composer pre-training steps (100: teacher gap +16, 300: +23)', lo=0),
            'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
                              "the same experiences as text (the default: its other-family control stays flat); nll = the "
                              "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),

@@ -11,9 +11,9 @@ One LOPD training step (Zhang et al. 2026, arXiv 2608.13040; one rollout per tas
 Before step 1, once: the warm-up (supervised on noisy-expert demos, 60% of them with a
 privileged context to read, cached under runs/ and shared by every method) and the method's
 setup (LOPD's cold start: fill the bank with base rollouts, which count toward the episode
-budget, then pre-train φ by the frozen teacher's NLL of successful trajectories given the
-latents of their retrieved experiences; `--cold_start text` instead makes the teacher reading
-the latents act as it does reading the same experiences as text).
+budget, then pre-train φ so that the frozen teacher reading the latents acts as it does reading
+the same experiences as text; `--cold_start nll` is the paper's, the teacher's NLL of
+successful trajectories given the latents of their retrieved experiences).
 
 Every method goes through the same train_step: rollout -> teacher_phase (the method's context
 builder, steps 2-3 for LOPD) -> student_phase (its loss) -> its after-step hook (steps 6-7 for
@@ -60,9 +60,9 @@ class Args:
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)', group=RUN)
     episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included)',
                         lo=0, open_lo=True, after_setup=True, group=RUN)
-    batch: int = arg(64, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
+    batch: int = arg(16, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
-    eval_every: int = arg(8, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
+    eval_every: int = arg(64, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
     eval_tasks: int = arg(250, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
     teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)', lo=0, group=RUN)
     name: str = arg('', "run name ('' = <method>-<env>-s<seed>)", after_setup=True, group=RUN)

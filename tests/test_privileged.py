@@ -179,3 +179,33 @@ def test_retrieval_can_exclude_the_querys_family():
     got = bank.retrieve(["quandle ed"], ["q"], 3, exclude_families=["quandle"])
     assert [e.family for e in got[0]] == ["zorbify"]
     assert [e.family for e in bank.retrieve(["quandle ed"], ["q"], 3)[0]][:2] == ["quandle", "quandle"]
+
+
+@pytest.mark.parametrize("reader", ["frozen", "trained"])
+def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, reader):
+    """The cold start reads each row's experiences once (methods.frozen_reading) and reuses the
+    pooled reading at every step: the latents, z0 and their gradients must be what compose makes
+    reading afresh; with an empty bank there is nothing to read."""
+    torch.manual_seed(0)
+    model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1).eval()
+    run = lopd_run(tok, model, reader=reader)
+    run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:12]])
+    eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in env.train_tasks[:4]]
+    rows = [(e, None, None) for e in eps]
+    cached = methods.frozen_reading(run, rows)
+    assert [f for f, _ in cached] == methods.retrieve(run, [e.task for e in eps])
+    assert [r.shape[0] for _, r in cached] == [len(f) for f, _ in cached]
+    fresh = methods.latents(run, eps, grad=True)
+    reused = methods.latents(run, eps, grad=True, found=[f for f, _ in cached], read0=torch.cat([r for _, r in cached]))
+    torch.testing.assert_close(reused.z, fresh.z)
+    torch.testing.assert_close(reused.z0, fresh.z0)
+    g_fresh = torch.autograd.grad(fresh.z.square().sum(), methods.phi_params(run.state["composer"], run.state["reader"]),
+                                  allow_unused=True)
+    g_reused = torch.autograd.grad(reused.z.square().sum(), methods.phi_params(run.state["composer"], run.state["reader"]),
+                                   allow_unused=True)
+    for a, b in zip(g_fresh, g_reused):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    empty = methods.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
+    assert all(f == [] and r.shape == (0, 3, 16) for f, r in empty)
