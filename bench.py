@@ -516,7 +516,8 @@ def parse(argv):
     o.entries = [e for e in (o.methods or ','.join(QUICK_ENTRIES if o.quick else ENTRIES)).split(',') if e]
     unknown = [e for e in o.entries if e not in ENTRIES and not (o.teacher_gap and e in GAP_EXTRA)]
     if unknown:
-        die(f"--methods: {unknown[0]!r} is not one of {', '.join(ENTRIES)}")
+        known = [*ENTRIES, *GAP_EXTRA] if o.teacher_gap else ENTRIES  # the report also takes LOPD's variants
+        die(f"--methods: {unknown[0]!r} is not one of {', '.join(known)}")
     try:
         o.seeds = [int(s) for s in (o.seeds or ('1,2' if o.quick else '1,2,3')).split(',')]
     except ValueError:
