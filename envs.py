@@ -188,6 +188,7 @@ class ToolUse:
     families = list(FAMILIES)
     warmup_families = WARMUP_FAMILIES
     opaque = OPAQUE
+    embedder = 'ngram'      # the retriever's (retrieval.EMBEDDERS): the prompt's words tell a family
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # fixed pools: the training tasks repeat (so same-task retrieval can happen), the
@@ -625,6 +626,7 @@ class CodeGen:
     max_action_tokens = 72  # bytes per program; the longest reference program is 36
     families = list(PROGRAM_FAMILIES)
     warmup_families = PROGRAM_WARMUP_FAMILIES
+    embedder = 'relation'   # the retriever's: what each example's output is of its input, not its digits
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # as in ToolUse: a repeating training pool and a family-balanced held-out set,

@@ -156,6 +156,8 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
     'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
     'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
+    'embedder': arg('', "the retriever's embedder ('' = the environment's: char n-grams for tool use, the tests of "
+                    "each example's input->output relation for code generation)", choices=['', *retrieval.EMBEDDERS]),
     'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts (the method), or the scripted "
                        "expert's demos (a diagnostic upper bound: what the teacher could know)", choices=['rollouts', 'expert']),
 }
@@ -280,7 +282,8 @@ def lopd_after_step(run, b, logits_s, teacher):
 
 
 def new_bank(run):
-    return retrieval.ExperienceBank(retrieval.hashing_embedder(), run.args.bank_capacity, run.args.allow_same_task)
+    embed = retrieval.EMBEDDERS[run.args.embedder or run.env.embedder]()
+    return retrieval.ExperienceBank(embed, run.args.bank_capacity, run.args.allow_same_task)
 
 
 def fill_bank(run, rollout):

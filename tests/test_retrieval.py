@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from sklearn.neighbors import NearestNeighbors
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from retrieval import Experience, ExperienceBank, cosine_topk, hashing_embedder  # noqa: E402
+from retrieval import (RELATION_DIM, Experience, ExperienceBank, cosine_topk, hashing_embedder,  # noqa: E402
+                       parse_examples, relation_embedder, relation_tests)
 
 
 # ---- cosine_topk -------------------------------------------------------------------
@@ -220,3 +221,66 @@ def test_save_load_round_trip_any_unicode(rows, queries):
     assert loaded.exps == bank.exps and np.array_equal(loaded.emb, bank.emb)
     ids = [q[:3] for q in queries]
     assert loaded.retrieve(queries, ids, J=3) == bank.retrieve(queries, ids, J=3)
+
+
+# ---- the relation embedder (code generation) ------------------------------------------
+
+def test_parse_examples_reads_data_and_never_code():
+    assert parse_examples("[3,1]->[4,2]; 'ab'->'abab'; [0]->3") == [([3, 1], [4, 2]), ("ab", "abab"), ([0], 3)]
+    hostile = ["__import__('os').system('echo hi')->1", "[1]->[2]; [x for x in ()]->[]", "->", "; ; ;", "",
+               "[" * 5000 + "]" * 5000 + "->[1]", "'a'*10**9->1", "(lambda: 1)()->2", "[1]->[2]->[3]", "\x00->\x00",
+               "[1," + "9" * 100000 + "]->1"]
+    for text in hostile:  # odd text: only the literal->literal parts come back, never an exception
+        got = parse_examples(text)
+        assert all(type(x) in (list, str, int, tuple) for pair in got for x in pair)
+    assert parse_examples("[1]->[2]; [x for x in ()]->[]") == [([1], [2])]
+    assert parse_examples("[1]->" + "[2]" * 1000, max_chars=10) == []  # a bounded prefix is read
+
+
+def slow_relation_similarities(stored, query):
+    """The reference: each example's tests as Python bools, averaged by hand, cosine by hand,
+    against every stored entry but the query's own task -> {index: similarity}."""
+    def vec(text):
+        rows = [relation_tests(x, y) for x, y in parse_examples(text)]
+        return [sum(float(r[i]) for r in rows) / len(rows) for i in range(RELATION_DIM)] if rows else [0.0] * RELATION_DIM
+
+    def cos(u, v):
+        nu, nv = sum(a * a for a in u) ** 0.5, sum(b * b for b in v) ** 0.5
+        return sum(a * b for a, b in zip(u, v)) / (max(nu, 1e-12) * max(nv, 1e-12))
+
+    return {i: cos(vec(query.prompt), vec(e.task)) for i, e in enumerate(stored) if e.task_id != query.task_id}
+
+
+def test_relation_retrieval_matches_a_slow_reference_and_finds_the_family():
+    import envs
+    env = envs.CodeGen(n_train=300, n_eval=120)
+    stored = [exp(t.task_id, t.family, t.prompt, t.solution) for t in env.train_tasks]
+    bank = ExperienceBank(relation_embedder())
+    bank.add(stored)
+    queries = env.eval_tasks + env.train_tasks[:20]  # train queries: their own entry must never come back
+    got = bank.retrieve([q.prompt for q in queries], [q.task_id for q in queries], J=3)
+    index = {id(e): i for i, e in enumerate(stored)}
+    for q, row in zip(queries, got):
+        sim = slow_relation_similarities(stored, q)
+        best = sorted(sim.values(), reverse=True)[:3]
+        assert len(row) == 3 and all(index[id(e)] in sim for e in row)      # never the query's own task
+        # the same top similarities (many entries tie exactly, and float32 means vs float64 ones
+        # may order a tie differently, so the similarities are compared, not the indices)
+        np.testing.assert_allclose([sim[index[id(e)]] for e in row], best, atol=1e-6)
+    hit = bank.family_hit_rate([q.family for q in env.eval_tasks], got[:len(env.eval_tasks)])
+    ngram = ExperienceBank(hashing_embedder())
+    ngram.add(stored)
+    hit_ngram = ngram.family_hit_rate([q.family for q in env.eval_tasks],
+                                      ngram.retrieve([q.prompt for q in env.eval_tasks], [q.task_id for q in env.eval_tasks], 3))
+    assert hit >= 0.9 and hit_ngram < 0.7  # measured: 0.98 and 0.54 on 250 queries against 600 tasks
+
+
+def test_relation_tests_of_each_family_hold_for_its_reference_function():
+    import envs
+    env = envs.CodeGen(n_train=120, n_eval=12)
+    embed = relation_embedder()
+    names = {"reverse": 13, "sort": 11, "take": 14, "repeat": 19, "mirror": 20, "rotate": 18, "every2": 22, "sum": 27}
+    for t in env.train_tasks:  # the tests each family's function passes on every example it shows
+        if t.family in names:
+            assert embed([t.prompt])[0, names[t.family]] == 1.0, (t.family, t.prompt)
+    assert embed(["no examples here", ""]).tolist() == [[0.0] * RELATION_DIM] * 2
