@@ -189,6 +189,8 @@ class ToolUse:
     warmup_families = WARMUP_FAMILIES
     opaque = OPAQUE
     embedder = 'ngram'      # the retriever's (retrieval.EMBEDDERS): the prompt's words tell a family
+    rerank = 'none'         # and its reranker (retrieval.RERANKERS)
+    defaults = {}           # train.py flags whose default differs in this environment
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # fixed pools: the training tasks repeat (so same-task retrieval can happen), the
@@ -627,6 +629,8 @@ class CodeGen:
     families = list(PROGRAM_FAMILIES)
     warmup_families = PROGRAM_WARMUP_FAMILIES
     embedder = 'relation'   # the retriever's: what each example's output is of its input, not its digits
+    rerank = 'execution'    # then the stored programs that reproduce this task's examples first
+    defaults = {}
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # as in ToolUse: a repeating training pool and a family-balanced held-out set,
@@ -693,6 +697,11 @@ class CodeGen:
         return rng.choice([o for o in options if o != avoid])
 
     def trajectory_text(self, ep):
+        """Every attempt with its verdict; a solved episode as its passing program alone, because that
+        is what another task can reuse, and the only form in which the warm-up shows a past success
+        (a bank line that began with the miss had the teacher copy the miss)."""
+        if ep.reward > 0:
+            return ep.turns[-1][0]
         return '; '.join(f'{a} -> {o}' if o else a for a, o in ep.turns)
 
 

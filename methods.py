@@ -158,6 +158,8 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
     'embedder': arg('', "the retriever's embedder ('' = the environment's: char n-grams for tool use, the tests of "
                     "each example's input->output relation for code generation)", choices=['', *retrieval.EMBEDDERS]),
+    'rerank': arg('', "re-sort the embedder's top 32 ('' = the environment's: none for tool use; for code generation, "
+                  "by how many of the task's examples each stored program reproduces)", choices=['', *retrieval.RERANKERS]),
     'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts (the method), or the scripted "
                        "expert's demos (a diagnostic upper bound: what the teacher could know)", choices=['rollouts', 'expert']),
 }
@@ -283,7 +285,8 @@ def lopd_after_step(run, b, logits_s, teacher):
 
 def new_bank(run):
     embed = retrieval.EMBEDDERS[run.args.embedder or run.env.embedder]()
-    return retrieval.ExperienceBank(embed, run.args.bank_capacity, run.args.allow_same_task)
+    rerank = retrieval.RERANKERS[run.args.rerank or run.env.rerank]
+    return retrieval.ExperienceBank(embed, run.args.bank_capacity, run.args.allow_same_task, rerank=rerank)
 
 
 def fill_bank(run, rollout):

@@ -128,7 +128,35 @@ def relation_embedder() -> Callable[[list[str]], np.ndarray]:
     return embed
 
 
+def execution_rerank(task: str, candidates: list[Experience]) -> list[float]:
+    """Code generation's reranker: the fraction of the task's shown examples that each candidate's
+    program (its trajectory: a stored success is its passing program) reproduces. Same family and
+    same constant = the same function, so the relation embedder's shortlist is sorted by what
+    solves *this* task. The programs are model output: they run only through envs.safe_eval's
+    checks and interpreter, each program compiled once; the cost per query is at most
+    rerank_pool × 3 runs, each within the evaluator's step budget."""
+    import envs  # here, not at the top: retrieval.py needs no environment otherwise
+    examples = parse_examples(task)
+    if not examples:
+        return [0.0] * len(candidates)
+
+    def reproduced(program):
+        lam, reason = envs.compile_program(program)
+        if reason:
+            return 0.0
+        runs = [envs.run_program(lam, x) for x, _ in examples]  # (value, error) each, never raises
+        return sum(err is None and envs.code_repr(got) == envs.code_repr(y)
+                   for (got, err), (_, y) in zip(runs, examples)) / len(examples)
+
+    score = {}  # the same program is run once, however many experiences hold it
+    for e in candidates:
+        if e.text not in score:
+            score[e.text] = reproduced(e.text)
+    return [score[e.text] for e in candidates]
+
+
 EMBEDDERS = {"ngram": hashing_embedder, "relation": relation_embedder}  # name -> maker of an embedder
+RERANKERS = {"none": None, "execution": execution_rerank}
 
 
 def cosine_topk(queries: np.ndarray, docs: np.ndarray, J: int,
@@ -176,12 +204,15 @@ class ExperienceBank:
     held-out queries, J = 3): same-family retrieval 0.90 with the trajectory, 0.94 without,
     and "manager of X" got "manager of manager of X" in 80% of its retrievals with it (the
     LOPD teacher then taught that plan: the student's "manager of X" fell 1.00 -> 0.16).
+    rerank (optional): (task, candidates) -> one score each, higher first; the top rerank_pool
+    by cosine are re-sorted by it (stable: equal scores keep the cosine order), then cut to J.
     """
 
     def __init__(self, embed: Callable[[list[str]], np.ndarray], capacity: int = 2000,
-                 allow_same_task: bool = False, doc_trajectory: bool = False):
+                 allow_same_task: bool = False, doc_trajectory: bool = False,
+                 rerank: Callable[[str, list[Experience]], list[float]] | None = None, rerank_pool: int = 32):
         self.embed, self.capacity, self.allow_same_task = embed, capacity, allow_same_task
-        self.doc_trajectory = doc_trajectory
+        self.doc_trajectory, self.rerank, self.rerank_pool = doc_trajectory, rerank, rerank_pool
         self.exps: list[Experience] = []
         self.emb = np.zeros((0, 0), dtype=np.float32)  # (N, D); D is set by the first add
 
@@ -227,8 +258,12 @@ class ExperienceBank:
         if exclude_families is not None:
             other = np.array([[e.family == f for e in self.exps] for f in exclude_families], dtype=bool)
             forbid = other if forbid is None else forbid | other
-        idx, _ = cosine_topk(q, self.emb, J, forbid)  # (Q, J')
-        return [[self.exps[i] for i in row if i >= 0] for row in idx]
+        idx, _ = cosine_topk(q, self.emb, J if self.rerank is None else max(J, self.rerank_pool), forbid)  # (Q, J')
+        rows = [[self.exps[i] for i in row if i >= 0] for row in idx]
+        if self.rerank is not None:
+            scores = [self.rerank(t, row) for t, row in zip(tasks, rows)]
+            rows = [[row[k] for k in sorted(range(len(row)), key=lambda k: -s[k])] for row, s in zip(rows, scores)]
+        return [row[:J] for row in rows]
 
     def family_hit_rate(self, families: list[str], retrieved: list[list[Experience]]) -> float:
         """Fraction of retrieved experiences of the query's own family (diagnostic); nan if none."""

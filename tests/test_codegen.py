@@ -67,12 +67,12 @@ def test_two_attempts_with_feedback():
         f'expected {code_repr(want)}') and '\n' not in s.obs
     s = ENV.step(ep, t.solution)
     assert (s.obs, s.reward, s.done, s.feedback) == ('', 1.0, True, 'correct')
-    assert ENV.trajectory_text(ep).startswith(f'lambda x: [v+{k + 1} for v in x] -> failed f(')
-    assert ENV.trajectory_text(ep).endswith('; ' + t.solution)
+    assert ENV.trajectory_text(ep) == t.solution  # a success is stored as its passing program
     # two failures: done, the verdict on the second attempt is the feedback, last obs is ''
     ep = play(ENV, t, ['lambda x: x', 'lambda x: x[0]'])
     assert ep.done and ep.reward == 0.0 and ep.turns[-1][1] == ''
     assert ep.feedback.startswith('error f(') or ep.feedback.startswith('failed f(')
+    assert ENV.trajectory_text(ep).startswith('lambda x: x -> ') and ENV.trajectory_text(ep).endswith('; lambda x: x[0]')
     assert ENV.step(ep, t.solution).reward == 0.0  # nothing happens after the end
 
 

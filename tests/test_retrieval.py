@@ -284,3 +284,43 @@ def test_relation_tests_of_each_family_hold_for_its_reference_function():
         if t.family in names:
             assert embed([t.prompt])[0, names[t.family]] == 1.0, (t.family, t.prompt)
     assert embed(["no examples here", ""]).tolist() == [[0.0] * RELATION_DIM] * 2
+
+
+def test_execution_rerank_scores_what_each_program_reproduces_and_survives_hostile_programs():
+    import time
+    from retrieval import execution_rerank
+    task = "[3,1]->[5,3]; [0,7]->[2,9]; [4]->[6]"  # add 2
+    progs = {"lambda x: [v+2 for v in x]": 1.0, "lambda x: [v+3 for v in x]": 0.0,
+             "lambda x: [v+2 if v < 5 else v for v in x]": 2 / 3,           # right on two of the three
+             "lambda x: x": 0.0, "not a program": 0.0, "__import__('os').system('echo hi')": 0.0,
+             "lambda x: [v for v in range(10**9)]": 0.0, "lambda x: 'a'*10**9": 0.0,
+             "lambda x: [[[v for v in range(99)] for w in range(99)] for u in range(99)]": 0.0,
+             "lambda x: x.__class__": 0.0, "lambda x: 1//0": 0.0, "": 0.0}
+    cands = [exp(f"t{i}", "f", "q", p) for i, p in enumerate(progs)]
+    t0 = time.monotonic()
+    assert execution_rerank(task, cands) == pytest.approx(list(progs.values()))
+    assert time.monotonic() - t0 < 30  # bounded by the evaluator's budgets (a backstop, not a timing test)
+    assert execution_rerank("no examples", cands) == [0.0] * len(cands)
+
+
+def test_rerank_sorts_the_cosine_shortlist_stably_and_keeps_the_exclusions():
+    """Reference: the top rerank_pool by cosine (ties to the lower index), stably sorted by the score."""
+    import envs
+    from retrieval import execution_rerank
+    env = envs.CodeGen(n_train=300, n_eval=40)
+    stored = [exp(t.task_id, t.family, t.prompt, t.solution) for t in env.train_tasks]
+    plain, reranked = ExperienceBank(relation_embedder()), ExperienceBank(relation_embedder(), rerank=execution_rerank, rerank_pool=8)
+    plain.add(stored)
+    reranked.add(stored)
+    queries = env.eval_tasks + env.train_tasks[:10]
+    short = plain.retrieve([q.prompt for q in queries], [q.task_id for q in queries], J=8)
+    got = reranked.retrieve([q.prompt for q in queries], [q.task_id for q in queries], J=3)
+    for q, row, pool in zip(queries, got, short):
+        scores = execution_rerank(q.prompt, pool)
+        ref = [pool[k] for k in sorted(range(len(pool)), key=lambda k: (-scores[k], k))][:3]
+        assert row == ref and all(e.task_id != q.task_id for e in row)
+    same = np.mean([e.text == q.solution for q, row in zip(env.eval_tasks, got) for e in row])  # the very function
+    assert same > np.mean([e.text == q.solution for q, row in zip(env.eval_tasks, short) for e in row[:3]])
+    other = reranked.retrieve([q.prompt for q in queries], [q.task_id for q in queries], J=3,
+                              exclude_families=[q.family for q in queries])
+    assert all(e.family != q.family for q, row in zip(queries, other) for e in row)
