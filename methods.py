@@ -398,7 +398,7 @@ register('lopd', Method(
                               "pulls the teacher onto the student within 16 steps; 0 = the student's)", lo=0,
                               after_setup=True),
            'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
-           'cold_start_steps': arg(100, 'composer pre-training steps (100: teacher gap +16, 300: +23)', lo=0),
+           'cold_start_steps': arg(100, 'composer pre-training steps (tool use: 100, teacher gap +16, 300: +23; codegen: 300, +18.5)', lo=0),
            'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
                              "the same experiences as text (the default: its other-family control stays flat); nll = the "
                              "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),

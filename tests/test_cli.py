@@ -276,3 +276,17 @@ def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
         signal.signal(signal.SIGTERM, old)
     summary = json.loads((moved / "grpo-tooluse-s0" / "summary.json").read_text())
     assert summary["episodes"] == 64
+
+
+def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch):
+    import envs
+    assert envs.CodeGen.defaults == {"cold_start_steps": 300} and envs.ToolUse.defaults == {}
+    plain = train.parse_args([])
+    a = train.parse_args(["--env", "codegen"])
+    assert a.cold_start_steps == 300 and plain.cold_start_steps == 100
+    assert train.parse_args(["--env", "codegen", "--cold_start_steps", "7"]).cold_start_steps == 7
+    monkeypatch.setattr(envs.CodeGen, "defaults", {"episodes": 99, "cold_start_steps": 5})
+    a = train.parse_args(["--env", "codegen", "--episodes=12"])
+    assert (a.episodes, a.cold_start_steps) == (12, 5)
+    assert dataclasses.asdict(train.parse_args(["--env", "codegen", "--episodes", "99", "--cold_start_steps", "5"])) == \
+        dataclasses.asdict(train.parse_args(["--env", "codegen"]))  # the saved config holds the values used
