@@ -110,7 +110,8 @@ def lopd_run(tok, model, K=3, reader="frozen"):
     run = types.SimpleNamespace(teacher=model, model=model, tok=tok, device=torch.device("cpu"), rng=random.Random(0),
                                 method=methods.METHODS["lopd"],
                                 args=types.SimpleNamespace(K=K, J=3, lr=0.0, lr_composer=1e-3, reader=reader,
-                                                           bank_capacity=100, allow_same_task=False))
+                                                           bank_capacity=100, allow_same_task=False, embedder="ngram",
+                                                           rerank="none"))
     run.state = methods.lopd_state(run)
     return run
 
