@@ -58,7 +58,7 @@ class Args:
     method: str = arg('lopd', 'the method (one block each in methods.py)', group=RUN)
     env: str = arg('tooluse', 'environment', choices=list(envs.ENVS), group=RUN)
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)', group=RUN)
-    episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included; codegen: 2048)',
+    episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included)',
                         lo=0, open_lo=True, after_setup=True, group=RUN)
     batch: int = arg(16, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
@@ -79,7 +79,7 @@ class Args:
     n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
     bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
                           '(0 = plain bytes)', lo=0, group=MODEL)
-    warmup_steps: int = arg(500, 'supervised warm-up steps on noisy-expert demos (codegen: 200)', lo=0, group=MODEL)
+    warmup_steps: int = arg(500, 'supervised warm-up steps on noisy-expert demos', lo=0, group=MODEL)
     warmup_batch: int = arg(64, 'demos per warm-up step', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
@@ -119,7 +119,8 @@ def parse_args(argv=None):
     a = Config(**vars(p.parse_args(argv)))
     given = {t[2:].split('=')[0] for t in argv if t.startswith('--')}
     for k, v in envs.ENVS[a.env].defaults.items():  # the environment's own defaults, where a flag is not given
-        setattr(a, k, v) if k not in given else None
+        if k not in given:
+            setattr(a, k, v)
     check_args(a, argv)
     return bk.resume_config(a, argv, Config) if a.resume else a
 
