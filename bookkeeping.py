@@ -46,7 +46,7 @@ CODE = fingerprint()  # in config.json, summary.json, ckpt.pt: bench.py reruns a
 def code_of(method):
     """The fingerprint of a run of this method: the repo's modules plus the files its hooks come
     from (a method registered from outside the repo, e.g. tests/fork_variant.py)."""
-    hooks = [method.loss, method.context, method.state, method.setup, method.after_step]
+    hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step]
     return fingerprint([f for f in (getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None)
                                     for h in hooks if h) if f])
 

@@ -237,9 +237,9 @@ def ppo_clip_loss(logp, logp_old, adv, mask, eps_lo=0.2, eps_hi=0.2):
     """PPO-clip: −mean_{t∈A} min(ρ_t A, clip(ρ_t, 1−ε_lo, 1+ε_hi) A), ρ_t = π_θ(y_t)/π_old(y_t).
 
     Token mean over every agent token of the batch (DAPO-style), no KL term.
-    logp, logp_old, mask (B, T); adv (B,) -> scalar."""
+    logp, logp_old, mask (B, T); adv (B,) one per rollout (GRPO), or (B, T) one per token (PPO with a critic) -> scalar."""
     ratio = torch.exp(logp - logp_old.detach())                                 # (B, T)
-    A = adv.unsqueeze(-1)                                                       # (B, 1)
+    A = adv.detach().unsqueeze(-1) if adv.dim() == 1 else adv.detach()         # (B, 1) or (B, T)
     obj = torch.minimum(ratio * A, ratio.clamp(1 - eps_lo, 1 + eps_hi) * A)     # (B, T)
     return -masked_mean(obj, mask)
 

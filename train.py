@@ -210,7 +210,7 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):
-        eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
+        eps, bodies, masks = m.sample(run, tasks, rollout) if m.sample else rollout(run.model, run.tok, run.env, tasks)
         b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device),
                           torch.tensor([e.reward for e in eps], device=run.device))
     run.episodes += len(eps)

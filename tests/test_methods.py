@@ -233,7 +233,7 @@ def test_every_method_is_well_formed(name):
 # ----------------------------------------------------------------------------- with a tiny real run
 
 TINY = ["--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", *TINY_BASE]
-SETUP = {"init_episodes": "16", "cold_start_steps": "2"}  # for the methods that read them
+SETUP = {"init_episodes": "16", "cold_start_steps": "2", "steer_episodes": "16"}  # for the methods that read them
 
 
 @pytest.fixture(scope="module")
