@@ -391,14 +391,15 @@ def write_tuning(cmp_dir, grid, meta):
 
 def gap_rows(run, rollout, tasks):
     """Before any student update: the student's and its teacher's held-out success on the same tasks
-    (greedy), overall and on opaque families. The teacher's context is the method's own, built on
-    the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of each
-    group taken. LOPD and Traj-text also get the control: other-family experiences only (as latents, as text).
-    -> {row name: (teacher success per task, rows that got a context)}."""
+    (greedy), overall and on opaque families, and the privileged-information utility statistics
+    (pi_utility) on the student's own sampled rollouts. The teacher's context is the method's own,
+    built on the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of
+    each group taken. LOPD and Traj-text also get the control: other-family experiences only (as latents, as text).
+    -> {row name: (teacher success per task, rows that got a context, utility statistics)}."""
     import torch
     import model as M
     G = run.method.group
-    eps = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])[0]
+    eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
     contexts = {run.args.method: run.method.context(run, eps)[::G]}
     others = lambda: methods.retrieve(run, [e.task for e in eps[::G]], other_family=True)
     if run.args.method == 'lopd':
@@ -409,7 +410,53 @@ def gap_rows(run, rollout, tasks):
     with torch.no_grad():
         for name, ctx in contexts.items():
             teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=methods.with_default(run, ctx))[0]
-            out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])))
+            out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])),
+                         pi_utility(run, eps[::G], bodies[::G], masks[::G], ctx))
+    return out
+
+
+def pi_utility(run, eps, bodies, masks, ctx, rows=50):
+    """KL-based statistics of a context, before training (after the study of 16 privileged-information
+    setups, arXiv 2608.04794): on the student's own sampled rollouts, each rollout's mean over its agent
+    tokens of D(π_θ(·|x,y<t) ‖ π_T(·|c,x,y<t)) (reverse KL, what the distillation loss minimises), then
+    the mean over the rollouts that succeeded and over those that failed. Rollouts without a context are left out."""
+    import lopd
+    import model as M
+    per = []
+    for i in range(0, len(eps), rows):
+        ids, amask, attn = M.pad_batch(bodies[i:i + rows], masks[i:i + rows], run.tok.pad, run.device)
+        logits_t = M.logits_on(run.teacher, methods.with_default(run, ctx[i:i + rows]), ids, attn)
+        logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
+        d = lopd.divergence(logits_s, logits_t, 'rkl')
+        per += ((d * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
+    kept = [(k, e.reward > 0) for k, e, p in zip(per, eps, ctx) if p is not None]
+    mean = lambda won: float(np.mean([k for k, w in kept if w == won])) if any(w == won for _, w in kept) else None
+    return {'kl_success': mean(True), 'kl_failure': mean(False)}
+
+
+def spearman(x, y):
+    """Spearman's rank correlation (ties get their mean rank); None if either side is constant."""
+    rank = lambda v: np.array([np.mean([j for j, w in enumerate(sorted(v)) if w == u]) for u in v])
+    rx, ry = rank(list(x)), rank(list(y))
+    return None if len(x) < 3 or rx.std() == 0 or ry.std() == 0 else float(np.corrcoef(rx, ry)[0, 1])
+
+
+def utility_correlation(cmp_dir, table):
+    """How well each before-training statistic predicts each quick-compare run's gain over the base:
+    Spearman's ρ over the (entry, seed) pairs whose method has a row here (an ablation takes its
+    method's row: lopd-frozen uses lopd's). -> {statistic: (ρ, pairs)}, or None without results.json."""
+    res = read_json(os.path.join(cmp_dir, 'results.json'))
+    if not res:
+        return None
+    stats = {'teacher gap': lambda r: r['success'] - table['student']['success'], 'KL, successes': lambda r: r['kl_success'],
+             'KL, failures': lambda r: r['kl_failure'],
+             'KL, failures − successes': lambda r: None if None in (r['kl_failure'], r['kl_success']) else r['kl_failure'] - r['kl_success']}
+    out = {}
+    for name, f in stats.items():
+        pairs = [(f(table[row]), final - r['base_mean']) for e, r in res['entries'].items() if r
+                 for row in [e if e in table else method_of(e) if e in ENTRIES else None] if row in table and f(table[row]) is not None
+                 for final in r['final']]
+        out[name] = (spearman(*zip(*pairs)) if pairs else None, len(pairs))
     return out
 
 
@@ -444,7 +491,8 @@ def teacher_gap(o, out_dir, cmp_dir):
 
 
 def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
-    """teacher_gap.md / .json from what is measured so far."""
+    """teacher_gap.md / .json from what is measured so far, with the utility statistics and, where the
+    quick compare's results.json is in the same folder, how well each predicts the gains."""
     split = lambda r: (float(np.mean(r)), float(np.mean(np.array(r)[opaque])) if opaque.any() else None)
     gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
     s_all, s_op = split(student)
@@ -453,13 +501,21 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     table = {'student': {'success': s_all, 'opaque': s_op, 'by_family': by_family(student)}}
     md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update.',
           f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
-          '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque |',
-          '|---|---|---|---|---|---|---|---|']
-    for name, (r, cov) in rows.items():
+          '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque | '
+          'KL, successes | KL, failures |',
+          '|---|---|---|---|---|---|---|---|---|---|']
+    for name, (r, cov, kl) in rows.items():
         t_all, t_op = split(r)
-        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov, 'by_family': by_family(r)}
+        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov, 'by_family': by_family(r), **kl}
         md.append(f'| {name} | {cov:.2f} | {t_all:.3f} | {s_all:.3f} | {gap(t_all, s_all)} | {fmt(t_op)} | {fmt(s_op)} | '
-                  f'{gap(t_op, s_op)} |')
+                  f"{gap(t_op, s_op)} | {fmt(kl['kl_success'], '.4f')} | {fmt(kl['kl_failure'], '.4f')} |")
+    corr = utility_correlation(cmp_dir, table)
+    if corr:
+        md += ['', "Privileged-information utility: Spearman's ρ between each statistic above (before training) and "
+               "the gain over the base of each run of this folder's results.json (one pair per entry and seed; "
+               "an ablation takes its method's row):", '', '| statistic | ρ | pairs |', '|---|---|---|']
+        md += [f'| {k} | {fmt(rho, "+.2f")} | {n} |' for k, (rho, n) in corr.items()]
+        table['utility_correlation'] = {k: {'rho': rho, 'pairs': n} for k, (rho, n) in corr.items()}
     os.makedirs(cmp_dir, exist_ok=True)
     with open(os.path.join(cmp_dir, 'teacher_gap.json'), 'w') as f:
         json.dump(table, f, indent=1)
@@ -475,7 +531,7 @@ GAP_EXTRA = {'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # t
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
-GAP_LEGEND = ('lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
+GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
               'trajtext-control: the same other-family experiences shown as text; '
               'lopd (default cold start): distils the teacher reading the experiences as text into it reading the latents; lopd-nll: the paper\'s cold start '
               '(NLL of the successes given their latents); -stored: its rollouts drawn as stored, not family-balanced; -reader: a trainable reader; '

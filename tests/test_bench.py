@@ -307,3 +307,33 @@ def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
     assert table["student"]["success"] == pytest.approx(want)
     md = (tmp_path / "compare-tooluse" / "teacher_gap.md").read_text()
     assert "| lopd-control |" in md and "teacher_gap.md" in out.strip().splitlines()[-1]
+    for name in ["opsd", "lopd"]:  # the utility statistics: a mean KL ≥ 0 where such rollouts got a context
+        assert all(v is None or v >= 0 for v in (table[name]["kl_success"], table[name]["kl_failure"]))
+    assert table["opsd"]["kl_failure"] > 0  # every rollout has a context; the tiny base fails most tasks
+    assert "Spearman" not in md  # no quick compare in this folder: nothing to correlate
+
+
+def test_spearman_against_hand_values():
+    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert bench.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties get their mean rank: x ranks [0, 1.5, 1.5, 3], y ranks [0, 1, 2, 3] -> Pearson of the ranks
+    x, y = np.array([0, 1.5, 1.5, 3]), np.array([0, 1, 2, 3])
+    assert bench.spearman([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert bench.spearman([1, 1, 1], [1, 2, 3]) is None and bench.spearman([1, 2], [2, 1]) is None
+
+
+def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
+    """Each (entry, seed) of results.json is a pair (its method's statistic, final − base); an
+    ablation takes its method's row; entries without a row (no teacher) are left out."""
+    results = {"entries": {"lopd": {"final": [0.6, 0.7], "base_mean": 0.5}, "lopd-frozen": {"final": [0.4], "base_mean": 0.5},
+                           "opsd": {"final": [0.3, 0.2], "base_mean": 0.5}, "grpo": {"final": [0.9], "base_mean": 0.5},
+                           "sdpo": None}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    table = {"student": {"success": 0.5}, "lopd": {"success": 0.8, "kl_success": 0.1, "kl_failure": 0.3},
+             "opsd": {"success": 0.6, "kl_success": 0.2, "kl_failure": None}}
+    corr = bench.utility_correlation(str(tmp_path), table)
+    gains = [0.1, 0.2, -0.1, -0.2, -0.3]  # lopd ×2, lopd-frozen (lopd's row), opsd ×2
+    assert corr["teacher gap"] == (pytest.approx(bench.spearman([0.3, 0.3, 0.3, 0.1, 0.1], gains)), 5)
+    assert corr["KL, failures"] == (None, 3)   # opsd has no failed rollout: 3 pairs, all of one value
+    assert corr["KL, failures − successes"][1] == 3
+    assert bench.utility_correlation(str(tmp_path / "nowhere"), table) is None
