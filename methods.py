@@ -618,11 +618,11 @@ def sod_weights(d, amask, tau=0.0):
     d, ids = d.detach(), turn_ids(amask)
     K = int(ids.max()) + 1
     cell = (ids + K * torch.arange(ids.shape[0], device=ids.device)[:, None]).flatten()   # one cell per (row, turn)
-    total = torch.zeros(ids.numel() // ids.shape[1] * K, dtype=d.dtype, device=d.device)
+    total = torch.zeros(ids.shape[0] * K, dtype=d.dtype, device=d.device)
     n = total.index_add(0, cell, (amask > 0).flatten().to(d.dtype))
     mean = total.index_add(0, cell, (d * (amask > 0)).flatten()) / n.clamp(min=1)
     turns = (n > 0) & (torch.arange(len(n), device=d.device) % K != 0)
-    tau = tau or mean[turns].mean().clamp(min=1e-8)
+    tau = tau or (mean[turns].mean().clamp(min=1e-8) if turns.any() else 1.0)  # no agent token: any τ gives 0
     return (torch.exp(-mean / tau)[cell].view_as(d)) * (ids > 0)
 
 

@@ -99,6 +99,10 @@ def test_sod_weights_by_hand():
     torch.testing.assert_close(w, torch.tensor([[0.5, 0.5, 0, 1.5, 1.5]]).neg().exp() * amask)
 
 
+def test_sod_weights_without_any_agent_token_are_zero():
+    assert methods.sod_weights(torch.rand(2, 4), torch.zeros(2, 4)).tolist() == [[0.0] * 4] * 2
+
+
 def test_sod_loss_is_the_turn_weighted_distillation_loss():
     torch.manual_seed(1)
     logits_s, logits_t = torch.randn(2, 6, 7, requires_grad=True), torch.randn(2, 6, 7)
