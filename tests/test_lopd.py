@@ -511,3 +511,23 @@ def test_relative_anchor_by_hand():
         assert rel.item() == pytest.approx(0.5 / 1.5, rel=1e-6)
     _, _, absolute = lopd.composer_loss(logits, logits, y, mask, reward, 0.0, 0.05, 0.2, 0.01 * z, 0.01 * z0)
     assert absolute.item() == pytest.approx(0.5e-4, rel=1e-6)
+
+
+def test_ppo_clip_loss_with_per_token_advantages_matches_loop():
+    """(B, T) advantages (VASPO's critic): each token's own A in the clipped objective; A gets no gradient."""
+    torch.manual_seed(3)
+    logp_old = torch.log(torch.rand(2, 5, dtype=torch.float64))
+    logp = (logp_old + torch.randn(2, 5, dtype=torch.float64) * 0.4).requires_grad_(True)
+    adv = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
+    loss = lopd.ppo_clip_loss(logp, logp_old, adv, mask, eps_lo=0.2, eps_hi=0.28)
+    tot, n = 0.0, 0
+    for b in range(2):
+        for t in range(5):
+            if mask[b, t]:
+                r, A = math.exp(logp[b, t].item() - logp_old[b, t].item()), adv[b, t].item()
+                tot += min(r * A, min(max(r, 0.8), 1.28) * A)
+                n += 1
+    assert loss.item() == pytest.approx(-tot / n, abs=1e-9)
+    loss.backward()
+    assert adv.grad is None and logp.grad is not None
