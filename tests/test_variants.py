@@ -59,26 +59,22 @@ def test_turn_ids_number_the_runs_of_agent_tokens():
 
 
 def slow_sod_weights(d, amask, tau):
-    turns = {}
+    """One walk over each row: a token's turn is the count of agent runs started so far."""
+    turn_of, turns = {}, {}
     for i in range(d.shape[0]):
         k, prev = 0, 0
         for t in range(d.shape[1]):
             if amask[i, t] and not prev:
                 k += 1
             if amask[i, t]:
+                turn_of[(i, t)] = (i, k)
                 turns.setdefault((i, k), []).append(float(d[i, t]))
             prev = amask[i, t]
     means = {key: sum(v) / len(v) for key, v in turns.items()}
     tau = tau or sum(means.values()) / len(means)
     w = torch.zeros_like(d)
-    for i in range(d.shape[0]):
-        k, prev = 0, 0
-        for t in range(d.shape[1]):
-            if amask[i, t] and not prev:
-                k += 1
-            if amask[i, t]:
-                w[i, t] = torch.exp(torch.tensor(-means[(i, k)] / tau, dtype=d.dtype))
-            prev = amask[i, t]
+    for (i, t), key in turn_of.items():
+        w[i, t] = torch.exp(torch.tensor(-means[key] / tau, dtype=d.dtype))
     return w
 
 
