@@ -728,12 +728,15 @@ def vaspo_state(run):
 
 def critic_values(run, prefixes, b):
     """V_ψ(c, x, y<t) at every body position t, as logits_on lays the context out -> (B, T);
-    the teacher's features carry no graph, only ψ does."""
-    with torch.no_grad():
-        E, mask, P = lopd.teacher_inputs(prefixes, M.embed(run.teacher, b.ids), b.attn)
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        h = run.teacher(inputs_embeds=E, attention_mask=mask, position_ids=pos, output_hidden_states=True).hidden_states[-1]
-    return run.state['critic'](h[:, P - 1:P - 1 + b.ids.shape[1]].float()).squeeze(-1)
+    the teacher's features carry no graph, only ψ does. They are read once per batch (the loss
+    and ψ's step share them), kept on the batch, which lives for one step."""
+    if getattr(b, 'critic_features', None) is None:
+        with torch.no_grad():
+            E, mask, P = lopd.teacher_inputs(prefixes, M.embed(run.teacher, b.ids), b.attn)
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            h = run.teacher(inputs_embeds=E, attention_mask=mask, position_ids=pos, output_hidden_states=True).hidden_states[-1]
+            b.critic_features = h[:, P - 1:P - 1 + b.ids.shape[1]].float()
+    return run.state['critic'](b.critic_features).squeeze(-1)
 
 
 def gae(values, reward, mask, lam):
