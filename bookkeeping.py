@@ -30,6 +30,8 @@ from dataclasses import field
 import numpy as np
 import torch
 
+import model as M
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'methods.py', 'model.py', 'retrieval.py', 'train.py', 'warmup.py']
 
@@ -183,7 +185,7 @@ COUNTERS = ('step', 'episodes', 'metrics', 'times', 'log', 'skips_in_a_row')  # 
 
 def save_checkpoint(run):
     state = {'args': dataclasses.asdict(run.args), 'code': run.code, 'wall': run.wall + time.time() - run.t0,
-             'model': run.model.state_dict(), 'opt': run.opt.state_dict(), 'state': pack(run.state),
+             'model': M.trainable_state(run.model), 'opt': run.opt.state_dict(), 'state': pack(run.state),
              **{k: getattr(run, k) for k in COUNTERS}, **get_rng(run)}
     if run.teacher_kind == 'ema':
         state['ema'] = run.teacher.state_dict()
@@ -193,7 +195,7 @@ def save_checkpoint(run):
 def load_checkpoint(run, path):
     try:
         state = torch.load(path, map_location=run.device, weights_only=False)
-        run.model.load_state_dict(state['model'])
+        M.load_trainable(run.model, state['model'])
         run.opt.load_state_dict(state['opt'])
         if run.teacher_kind == 'ema':
             run.teacher.load_state_dict(state['ema'])
@@ -212,7 +214,7 @@ def load_checkpoint(run, path):
     os.replace(os.path.join(run.dir, 'metrics.jsonl.tmp'), os.path.join(run.dir, 'metrics.jsonl'))
 
 
-RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips')  # what --resume may change
+RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips', 'grad_ckpt', 'export')  # what --resume may change
 
 
 def resume_config(args, argv, config_class):

@@ -1,5 +1,6 @@
 """The math of on-policy self-distillation and of LOPD, as pure functions.
 
+    Logits            (B, T, V) logits kept as the last hidden states and the LM head, read in chunks
     token_logp        log π(y_t | y<t) of the sampled tokens
     divergence        per-token D(student ‖ teacher): reverse KL, forward KL, generalized JSD
     topk_divergence   the same over the teacher's top-k tokens plus one "tail" bucket
@@ -27,6 +28,7 @@ importance-weighted k3 term); k3, Schulman 2020 ("Approximating KL divergence").
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def _f32(x):
@@ -34,9 +36,55 @@ def _f32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+class Logits:
+    """(B, T, V) logits that are never held whole: the last hidden states h (B, T, d) and the LM
+    head, read `chunk` positions at a time by `per_position`. At V = 151,936 one (B, T, V) float32
+    tensor of a 4 × 2,048 batch is 5 GB, and a divergence holds several. `detach()` gives the
+    teacher's view: no graph, and the head's weight frozen as it was when the teacher scored."""
+
+    def __init__(self, h, weight, bias=None, chunk=1024, softcap=None, grad=True):
+        self.h, self.weight, self.bias, self.chunk, self.softcap, self.grad = h, weight, bias, chunk, softcap, grad
+        self.shape = (*h.shape[:-1], weight.shape[0])
+
+    def detach(self):
+        keep = lambda w: None if w is None else w.detach().clone() if w.requires_grad else w.detach()
+        return Logits(self.h.detach(), keep(self.weight), keep(self.bias), self.chunk, self.softcap, grad=False)
+
+    def __getitem__(self, rows):  # a subset of rollouts, as a tensor's logits[keep] is
+        return Logits(self.h[rows], self.weight, self.bias, self.chunk, self.softcap, self.grad)
+
+    def head(self, h):
+        """Hidden states (N, d) -> logits (N, V), through the model's own head (and its soft cap, e.g. Gemma 2's)."""
+        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            out = F.linear(h, self.weight, self.bias)
+            return out if not self.softcap else torch.tanh(out / self.softcap) * self.softcap
+
+
+def per_position(f, *xs):
+    """f on every position's logits -> (B, T). xs are (B, T, V) logits (tensors or Logits) or
+    (B, T) tensors (e.g. the sampled tokens); f maps their (N, V) / (N,) slices to (N,).
+
+    Tensors only: f(*xs) in one go. With Logits, `chunk` positions of the flattened batch at a time,
+    each chunk's logits recomputed in the backward pass (activation checkpointing): what the
+    chunks add up to is the same, but no more than one chunk's (chunk, V) logits are alive at once."""
+    lazy = [x for x in xs if isinstance(x, Logits)]
+    if not lazy:
+        return f(*xs)
+    B, T, chunk = *lazy[0].shape[:2], lazy[0].chunk
+    flat = [x.h.reshape(B * T, x.h.shape[-1]) if isinstance(x, Logits) else x.reshape(B * T, *x.shape[2:]) for x in xs]
+
+    def piece(*rows):  # one chunk of positions, its logits made here and dropped on return
+        return f(*[x.head(r) if isinstance(x, Logits) else r for x, r in zip(xs, rows)])
+
+    track = torch.is_grad_enabled() and any(x.grad and (x.h.requires_grad or x.weight.requires_grad) for x in lazy)
+    out = [checkpoint(piece, *[x[i:i + chunk] for x in flat], use_reentrant=False) if track else
+           piece(*[x[i:i + chunk] for x in flat]) for i in range(0, B * T, chunk)]
+    return torch.cat(out).view(B, T) if out else lazy[0].h.new_zeros(B, T, dtype=torch.float32)
+
+
 def token_logp(logits, y):
     """log π(y_t) for the sampled tokens. logits (B, T, V), y (B, T) -> (B, T)."""
-    return torch.gather(F.log_softmax(_f32(logits), -1), -1, y.unsqueeze(-1)).squeeze(-1)
+    return per_position(lambda l, y: torch.gather(F.log_softmax(_f32(l), -1), -1, y.unsqueeze(-1)).squeeze(-1), logits, y)
 
 
 def masked_mean(x, mask):
@@ -78,7 +126,8 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
 
 def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
     """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T)."""
-    return divergence_from_logp(F.log_softmax(_f32(logits_s), -1), F.log_softmax(_f32(logits_t), -1), kind, beta)
+    return per_position(lambda s, t: divergence_from_logp(F.log_softmax(_f32(s), -1), F.log_softmax(_f32(t), -1), kind, beta),
+                        logits_s, logits_t)
 
 
 def _with_tail(topk_logp):
@@ -95,11 +144,13 @@ def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
 
     Both distributions are read at the *teacher's* top-k ids, so the buckets match.
     With k = V it equals the full-vocabulary divergence. logits (B, T, V) -> (B, T)."""
-    logp_s, logp_t = F.log_softmax(_f32(logits_s), -1), F.log_softmax(_f32(logits_t), -1)
-    idx = logp_t.topk(min(k, logp_t.shape[-1]), -1).indices       # (B, T, k)
-    s = _with_tail(torch.gather(logp_s, -1, idx))                  # (B, T, k+1)
-    t = _with_tail(torch.gather(logp_t, -1, idx))                  # (B, T, k+1)
-    return divergence_from_logp(s, t, kind, beta)
+    def f(logits_s, logits_t):
+        logp_s, logp_t = F.log_softmax(_f32(logits_s), -1), F.log_softmax(_f32(logits_t), -1)
+        idx = logp_t.topk(min(k, logp_t.shape[-1]), -1).indices   # (…, k)
+        s = _with_tail(torch.gather(logp_s, -1, idx))              # (…, k+1)
+        t = _with_tail(torch.gather(logp_t, -1, idx))              # (…, k+1)
+        return divergence_from_logp(s, t, kind, beta)
+    return per_position(f, logits_s, logits_t)
 
 
 def distill_loss(logits_s, logits_t, mask, kind='rkl', topk=0, beta=0.5):

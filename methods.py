@@ -234,7 +234,7 @@ def latent_frame(run, zs):
     code frames its latents the same way: "reference example … end of reference example").
     zs: J tensors (K, d) -> (P, d)."""
     E = lambda ids: M.embed(run.teacher, torch.tensor(ids, device=run.device))
-    head, sep = E([run.tok.bos, run.tok.ctx] + run.tok.encode('past:')), E(run.tok.encode('\n'))
+    head, sep = E(run.tok.context_head() + run.tok.encode('past:')), E(run.tok.encode('\n'))
     return torch.cat([head] + [x for z in zs for x in (z, sep)])
 
 
@@ -650,7 +650,7 @@ register('sod', Method(sod_loss, context=opsd_context, teacher='frozen', diverge
 # --steer_rate), started from base rollouts before training. The student distils on its own prefixes.
 
 def steered_layer(run):
-    layers, L = run.teacher.model.layers, run.args.steer_layer  # a Hugging Face causal LM keeps its decoder blocks here
+    layers, L = M.blocks(run.teacher), run.args.steer_layer
     if L >= len(layers):
         die(f'--steer_layer must be below the model\'s {len(layers)} layers, got {L}')
     return layers[L if L >= 0 else len(layers) // 2]
@@ -660,7 +660,9 @@ def acsd_state(run):
     """v and its two class means; the hook that adds α·v (run.teacher is θ0's copy: θ is never steered)."""
     d = run.model.get_input_embeddings().weight.shape[1]
     zero = lambda: torch.zeros(d, device=run.device)
-    steer = lambda module, args: (args[0] + run.args.steer_scale * run.state['steer'].to(args[0]),) + args[1:]
+    # with LoRA, θ0 is θ's own layers with the adapter off: only a pass of the teacher's view is steered
+    steer = lambda module, args: (args[0] + run.args.steer_scale * run.state['steer'].to(args[0]),) + args[1:] \
+        if getattr(run.teacher, 'on', True) else None
     steered_layer(run).register_forward_pre_hook(steer)
     return {'steer': zero(), 'mean_win': zero(), 'mean_other': zero(), 'seen': [0, 0]}
 
@@ -674,7 +676,7 @@ def rollout_activations(run, b):
     M.logits_on(run.teacher, M.bos_prefix(run.teacher, run.tok, len(b.eps)), b.ids, b.attn)
     hook.remove()
     m = b.amask[..., None].to(seen[0])
-    return (seen[0][:, 1:] * m).sum(1) / m.sum(1).clamp(min=1)   # position 0 is <|bos|>
+    return (seen[0][:, len(run.tok.head()):] * m).sum(1) / m.sum(1).clamp(min=1)   # after the head (<|bos|>)
 
 
 def update_steer(run, b):

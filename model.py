@@ -23,6 +23,7 @@ student, `text_prefix` for a teacher told something in words), KV-cached decodin
 agent turn (`generate`) and scoring every prefix of a batch in one forward (`logits_on`).
 """
 import collections
+import contextlib
 import hashlib
 import inspect
 import re
@@ -38,13 +39,26 @@ SPECIALS = ['<|bos|>', '<|obs|>', '<|agent|>', '<|eot|>', '<|ctx|>', '<|pad|>']
 
 
 class Tokenizer:
-    """encode/decode plus the ids of the turn-structure specials, for either backend."""
+    """encode/decode plus the pieces of the turn layout, for either backend.
+
+    Two layouts. The special-token one (the tiny model, and a tokenizer without a chat template):
+    the six SPECIALS above. The chat-template one (a tokenizer that has a template): the model's own
+    turns, cut out of the template's rendering by `chat_layout`; the task and each observation are
+    user turns, each action an assistant turn, the privileged context sits in the first user turn
+    in front of the task (where the LOPD paper's code puts its latents). Either way the algorithm
+    only asks for `head` (the student's context), `context_head` (what goes before a privileged
+    context), `turn(text, first)` (an observation up to where the agent speaks) and `eot`."""
 
     def __init__(self, enc=None, hf=None):
-        self.enc, self.hf = enc, hf
+        self.enc, self.hf, self.chat = enc, hf, None
         if enc is not None:
             ids = {s: enc.encode_single_token(s) for s in SPECIALS}
             self.vocab_size, self.n_ordinary = enc.n_vocab, enc.n_vocab - len(SPECIALS)
+        elif getattr(hf, 'chat_template', None):
+            self.chat = chat_layout(hf)
+            ids = dict(zip(SPECIALS, [None] * len(SPECIALS)), **{'<|eot|>': self.chat['eot']})
+            ids['<|pad|>'] = hf.pad_token_id if hf.pad_token_id is not None else self.chat['eot']
+            self.vocab_size = len(hf)
         else:
             hf.add_special_tokens({'additional_special_tokens': SPECIALS})
             ids = {s: hf.convert_tokens_to_ids(s) for s in SPECIALS}
@@ -52,9 +66,9 @@ class Tokenizer:
         self.bos, self.obs, self.agent, self.eot, self.ctx, self.pad = (ids[s] for s in SPECIALS)
 
     def digest(self):
-        """A short hash of the vocabulary (ranks and specials), so that caches built on another tokenizer are not reused."""
+        """A short hash of the vocabulary (ranks and specials) and the layout, so that caches built on another tokenizer are not reused."""
         vocab = sorted(self.enc._mergeable_ranks.items()) if self.enc is not None else sorted(self.hf.get_vocab().items())
-        return hashlib.sha1(repr(vocab).encode()).hexdigest()[:10]
+        return hashlib.sha1(repr((vocab, self.chat)).encode()).hexdigest()[:10]
 
     def encode(self, text):
         # plain text only: special-token strings inside model or env text stay literal bytes
@@ -66,6 +80,51 @@ class Tokenizer:
         if self.enc is not None:
             return self.enc.decode([i for i in ids if i < self.n_ordinary], errors='replace')
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def head(self):
+        """The student's context: <|bos|>, or the template up to the first user turn's text."""
+        return list(self.chat['head']) if self.chat else [self.bos]
+
+    def context_head(self):
+        """What comes before a privileged context's text: <|bos|><|ctx|>, or the same head (the
+        context is the start of the first user turn, the task follows it in the body)."""
+        return list(self.chat['head']) if self.chat else [self.bos, self.ctx]
+
+    def turn(self, text, first=False):
+        """An observation (the task when first) up to where the agent speaks:
+        <|obs|> text <|agent|>, or [the rest of the assistant's close, a user turn's open] text [user close, assistant open]."""
+        body = self.encode(text[:MAX_OBS_CHARS])
+        if not self.chat:
+            return [self.obs] + body + [self.agent]
+        return (list(self.chat['first']) if first else list(self.chat['user'])) + body + list(self.chat['assistant'])
+
+
+def chat_layout(hf):
+    """The pieces of a chat template, found by rendering a two-turn conversation with markers:
+
+        head ⟨T1⟩ assistant ⟨A1⟩ eot user ⟨T2⟩ assistant      (assistant = user close + assistant open)
+
+    -> token ids of each piece; eot is the token that ends an assistant turn (the first of its close),
+    what the agent generates last and decoding stops on. Template text is tokenized with its special
+    tokens; a template whose pieces differ between turns (e.g. one that rewrites past assistant turns)
+    is refused in one line, since a body must read the same to the teacher and the student."""
+    mk = ['\x01T1\x01', '\x01A1\x01', '\x01T2\x01']
+    msgs = [{'role': 'user', 'content': mk[0]}, {'role': 'assistant', 'content': mk[1]}, {'role': 'user', 'content': mk[2]}]
+    try:
+        text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        head, rest = text.split(mk[0])
+        asst, rest = rest.split(mk[1])
+        close, asst2 = rest.split(mk[2])
+    except Exception as e:
+        raise ValueError(f'cannot read the chat template\'s turns: {type(e).__name__}: {e}') from e
+    enc = lambda t: hf.encode(t, add_special_tokens=False)
+    close_ids = enc(close)
+    if asst != asst2 or not close_ids or close_ids[0] not in hf.all_special_ids or not enc(head):
+        raise ValueError('the chat template\'s turns are not one fixed layout (head, user, assistant open, '
+                         'an end-of-turn special token); use a tokenizer without a chat template')
+    eot = close_ids[0]
+    user = enc(close[len(hf.decode([eot])):]) if close.startswith(hf.decode([eot])) else close_ids[1:]
+    return {'head': tuple(enc(head)), 'first': (), 'user': tuple(user), 'assistant': tuple(enc(asst)), 'eot': eot}
 
 
 # pre-tokenization (GPT-2's, simplified): words with their leading space, single digits, runs of
@@ -130,18 +189,145 @@ def tiny_llama(vocab_size, d_model=128, n_layer=4, n_head=4, max_len=512):
     return LlamaForCausalLM(cfg)
 
 
-def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0):
+def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0, dtype=torch.float32):
     """-> (tokenizer, model). model_name None = the offline tokenizer (BPE learned on texts, or
-    bytes) + tiny Llama."""
+    bytes) + tiny Llama. A transformers model is loaded in `dtype` (bf16 halves its memory)."""
     if model_name is None:
         tok = byte_tokenizer(texts, n_merges)
         return tok, tiny_llama(tok.vocab_size, d_model, n_layer)
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = Tokenizer(hf=AutoTokenizer.from_pretrained(model_name))
-    model = AutoModelForCausalLM.from_pretrained(model_name)
+    key = 'dtype' if int(transformers.__version__.split('.')[0]) >= 5 else 'torch_dtype'  # renamed in v5
+    model = AutoModelForCausalLM.from_pretrained(model_name, **{key: dtype})
     if model.get_input_embeddings().weight.shape[0] < tok.vocab_size:
         model.resize_token_embeddings(tok.vocab_size)
     return tok, model
+
+
+def blocks(model):
+    """The decoder blocks of a transformers causal LM (Llama, Qwen: .layers; GPT-2: .h)."""
+    dec = model.get_decoder()
+    return dec.layers if hasattr(dec, 'layers') else dec.h
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+
+def with_lora(model, tok, r):
+    """θ = θ0 + a rank-r LoRA adapter on every linear layer (Hu et al. 2021, via peft), with α = 2r.
+    Turn specials added to a vocabulary (a tokenizer without a chat template) are new, untrained
+    rows of the embedding: they train too, as rows (peft's trainable tokens). -> the peft model."""
+    from peft import LoraConfig, get_peft_model
+    new = [tok.bos, tok.obs, tok.agent, tok.eot, tok.ctx, tok.pad] if tok.hf is not None and not tok.chat else None
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules='all-linear', trainable_token_indices=new)
+    return get_peft_model(model, cfg)
+
+
+def is_lora(model):
+    return hasattr(model, 'peft_config')
+
+
+def merged(model):
+    """The plain transformers model with every adapter folded into its weights (θ0 after a LoRA
+    warm-up; the student at export)."""
+    if not is_lora(model):
+        return model
+    for name in [n for n in model.peft_config if n != 'default']:
+        model.delete_adapter(name)
+    return model.merge_and_unload()
+
+
+def trainable_state(model):
+    """What trains, as a state dict: the LoRA adapter (and trained token rows), or every weight."""
+    if not is_lora(model):
+        return model.state_dict()
+    from peft import get_peft_model_state_dict
+    return get_peft_model_state_dict(model)
+
+
+def load_trainable(model, saved):
+    """Inverse of trainable_state; names or shapes that differ raise."""
+    if not is_lora(model):
+        return model.load_state_dict(saved)
+    Adapter(model, 'default').load_state_dict(saved)
+
+
+class Adapter:
+    """One set of weights of the student's peft model, used wherever a model is: θ0 (name None:
+    the adapter off) or a named adapter (the EMA teacher). Every base weight is θ's own, so a
+    teacher costs no copy of the model. While it runs, `on` is True (ACSD steers only then)."""
+
+    def __init__(self, peft, name=None):
+        self.peft, self.name, self.on = peft, name, False
+
+    @contextlib.contextmanager
+    def active(self):
+        with contextlib.ExitStack() as stack:
+            if self.name is None:
+                stack.enter_context(self.peft.disable_adapter())
+            else:
+                self.peft.set_adapter(self.name)  # peft also flips requires_grad: θ's adapter is frozen meanwhile
+                stack.callback(self.peft.set_adapter, 'default')
+            self.on = True
+            stack.callback(setattr, self, 'on', False)
+            yield
+
+    def __call__(self, *args, **kw):
+        with self.active():
+            return self.peft(*args, **kw)
+
+    def get_decoder(self):
+        return _Under(self, self.peft.get_decoder())
+
+    def __getattr__(self, k):  # embeddings, head, config, device: θ's own
+        return getattr(self.peft, k)
+
+    def parameters(self):
+        """This adapter's tensors, in the order of the modules (paired with θ's by lopd.ema_update)."""
+        pat = re.compile(rf'\.{re.escape(self.name)}(\.|$)')
+        return [p for n, p in self.peft.named_parameters() if pat.search(n)]
+
+    def state_dict(self):
+        from peft import get_peft_model_state_dict
+        return get_peft_model_state_dict(self.peft, adapter_name=self.name)
+
+    def load_state_dict(self, saved):
+        from peft import set_peft_model_state_dict
+        mine = self.state_dict()
+        bad = sorted(set(mine) ^ set(saved)) or [k for k in mine if mine[k].shape != saved[k].shape]
+        if bad:
+            raise ValueError(f'size mismatch for adapter {self.name}: {bad[0]}')
+        set_peft_model_state_dict(self.peft, saved, adapter_name=self.name)
+
+
+class _Under:
+    """A submodule of the peft model called under an Adapter (its decoder, for chunked scoring)."""
+
+    def __init__(self, adapter, module):
+        self.adapter, self.module = adapter, module
+
+    def __call__(self, *args, **kw):
+        with self.adapter.active():
+            return self.module(*args, **kw)
+
+    def __getattr__(self, k):
+        return getattr(self.module, k)
+
+
+def add_ema(model):
+    """A second adapter 'ema' on the student's peft model, equal to θ's adapter -> its Adapter view."""
+    model.add_adapter('ema', model.peft_config['default'])
+    model.set_adapter('default')  # θ's adapter stays the trainable one; 'ema' is frozen
+    ema = Adapter(model, 'ema')
+    with torch.no_grad():
+        for pt, ps in zip(ema.parameters(), Adapter(model, 'default').parameters()):
+            pt.copy_(ps)
+    return ema
+
+
+def trained(model):
+    """The weights the optimizer moves: the adapter with LoRA, else the model (for lopd.ema_update)."""
+    return Adapter(model, 'default') if is_lora(model) else model
 
 
 def embed(model, ids):
@@ -162,10 +348,16 @@ def forward(model, embeds, mask, past=None, pos=None, use_cache=False):
     not depend on how much padding the batch put in front of it. -> (logits, cache)."""
     if pos is None:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -embeds.shape[1]:]  # (B, L)
-    kw = {CACHE_KW[type(model)]: past} if past is not None else {}
+    kw = {CACHE_KW[type(base_of(model))]: past} if past is not None else {}
     out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kw)
     cache = (out['cache'] if 'cache' in out else out.get('past_key_values')) if use_cache else None
     return out.logits, cache
+
+
+def base_of(model):
+    """The transformers model under an Adapter view or a peft wrapper (whose forward passes keywords on)."""
+    model = model.peft if isinstance(model, Adapter) else model
+    return model.get_base_model() if is_lora(model) else model
 
 
 class _CacheKw(dict):
@@ -180,16 +372,16 @@ CACHE_KW = _CacheKw()
 
 # ----------------------------------------------------------------------------- tokens of an episode
 
-def obs_ids(tok, text):
-    return [tok.obs] + tok.encode(text[:MAX_OBS_CHARS]) + [tok.agent]
+def obs_ids(tok, text, first=False):
+    return tok.turn(text, first)
 
 
 def encode_episode(tok, ep):
-    """An episode as the student sees it (no <|bos|>) and its agent-token mask.
+    """An episode as the student sees it (after its head) and its agent-token mask.
 
-    <|obs|> task <|agent|> a1 <|eot|> <|obs|> o1 <|agent|> a2 <|eot|> ...
+    <|obs|> task <|agent|> a1 <|eot|> <|obs|> o1 <|agent|> a2 <|eot|> ...   (or the chat template's turns)
     mask = 1 on action tokens and their <|eot|> (what the agent generated), 0 elsewhere."""
-    ids = obs_ids(tok, ep.task.prompt)
+    ids = obs_ids(tok, ep.task.prompt, first=True)
     mask = [0] * len(ids)
     for action, obs in ep.turns:
         a = tok.encode(action) + [tok.eot]
@@ -214,13 +406,13 @@ def pad_batch(seqs, masks, pad, device):
 # ----------------------------------------------------------------------------- contexts, decoding, scoring
 
 def bos_prefix(model, tok, n):
-    """The student's 'context': just <|bos|>, as (1, d) embeddings per row."""
-    return [embed(model, torch.tensor([tok.bos], device=model.device))] * n
+    """The student's 'context': just <|bos|> (or the chat template's head), as (P, d) embeddings per row."""
+    return [embed(model, torch.tensor(tok.head(), device=model.device))] * n
 
 
 def text_prefix(model, tok, texts):
     """<|bos|><|ctx|> text, embedded by the teacher: a privileged context given as text."""
-    return [embed(model, torch.tensor([tok.bos, tok.ctx] + tok.encode(t), device=model.device)) for t in texts]
+    return [embed(model, torch.tensor(tok.context_head() + tok.encode(t), device=model.device)) for t in texts]
 
 
 @torch.no_grad()
@@ -251,9 +443,32 @@ def generate(model, tok, prefixes, bodies, max_new, greedy):
     return out
 
 
-def logits_on(model, prefixes, ids, attn):
+SCORE_CHUNK = 0  # positions per chunk through the LM head (0 = all at once); train.build sets it from --score_chunk
+
+
+def logits_on(model, prefixes, ids, attn, chunk=None):
     """Score every prefix of the trajectories in one forward: (B, T, V), where row i,
-    position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t."""
+    position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t.
+
+    chunk > 0 (default SCORE_CHUNK): a lopd.Logits, the last hidden states and the LM head, that
+    the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch."""
+    chunk = SCORE_CHUNK if chunk is None else chunk
     E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
-    logits, _ = forward(model, E, mask)
-    return logits[:, P - 1:P - 1 + ids.shape[1]]
+    if not chunk:
+        logits, _ = forward(model, E, mask)
+        return logits[:, P - 1:P - 1 + ids.shape[1]]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    h = model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state
+    head = model.get_output_embeddings()
+    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], head.weight, head.bias, chunk,
+                      getattr(model.config, 'final_logit_softcapping', None))
+    return out if torch.is_grad_enabled() else out.detach()   # no graph: the head as it is now
+
+
+def export(model, tok, path):
+    """The student as a plain transformers model, LoRA merged, that AutoModelForCausalLM.from_pretrained
+    reads back, with its tokenizer (the tiny model's tiktoken vocabulary has no such form). -> path."""
+    merged(model).save_pretrained(path)
+    if tok.hf is not None:
+        tok.hf.save_pretrained(path)
+    return path

@@ -75,6 +75,14 @@ class Args:
     max_skips: int = arg(5, 'stop after this many updates in a row with a non-finite loss or gradient', lo=1,
                          after_setup=True, group=RUN)
     model: str = arg('', "a transformers causal LM, name or path ('' = the offline tiny Llama)", group=MODEL)
+    lora_r: int = arg(-1, 'rank of the LoRA adapter that trains (0 = every weight trains; -1 = 16 with --model, '
+                      '0 for the tiny model)', lo=-1, group=MODEL)
+    score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
+                           '-1 = 1024 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
+                          after_setup=True, group=MODEL)
+    export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
+                      after_setup=True, group=MODEL)
     d_model: int = arg(128, 'tiny Llama width', lo=1, group=MODEL)
     n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
     bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
@@ -121,6 +129,12 @@ def parse_args(argv=None):
     for k, v in envs.ENVS[a.env].defaults.items():  # the environment's own defaults, where a flag is not given
         if k not in given:
             setattr(a, k, v)
+    if a.lora_r < 0:
+        a.lora_r = 16 if a.model else 0
+    if a.score_chunk < 0:
+        a.score_chunk = 1024 if a.model else 0
+    if a.export:
+        a.resume = a.resume or a.export
     check_args(a, argv)
     return bk.resume_config(a, argv, Config) if a.resume else a
 
@@ -160,7 +174,7 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None):
     -> episodes, bodies (token lists without <|bos|>), agent masks (1 = agent-generated)."""
     prefixes = prefixes or M.bos_prefix(model, tok, len(tasks))
     eps = [env.reset(t) for t in tasks]
-    bodies = [M.obs_ids(tok, t.prompt) for t in tasks]
+    bodies = [M.obs_ids(tok, t.prompt, first=True) for t in tasks]
     masks = [[0] * len(b) for b in bodies]
     for _ in range(env.max_turns):
         live = [i for i, e in enumerate(eps) if not e.done]
@@ -199,10 +213,11 @@ def student_phase(run, b, teacher):
     -> the student's logits (detached, for an after-step hook) and the loss."""
     logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn)   # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
+    logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
     bk.optimizer_step(run, run.opt, loss, run.model)
     if run.teacher_kind == 'ema':
-        lopd.ema_update(run.teacher, run.model, run.args.ema_rate)
-    return logits_s.detach(), loss.item()
+        lopd.ema_update(run.teacher, M.trained(run.model), run.args.ema_rate)
+    return logits_s, loss.item()
 
 
 def train_step(run):
@@ -254,14 +269,22 @@ def build(args):
     method = methods.METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
     run.env = envs.make_env(args.env)
-    run.tok, run.model = warmup.load_model(args, run.env)
+    run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
+    M.SCORE_CHUNK = args.score_chunk
+    if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
+        run.model = M.with_lora(run.model, run.tok, args.lora_r)
     run.model.to(run.device)
     with run.timer('warmup'):
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
     torch.manual_seed(args.seed)
-    run.teacher = {'frozen': lambda: frozen_copy(run.model), 'ema': lambda: frozen_copy(run.model),
-                   'live': lambda: run.model, 'none': lambda: None}[run.teacher_kind]()
-    run.opt = torch.optim.AdamW(run.model.parameters(), lr=args.lr or method.lr, weight_decay=0.0)
+    if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
+        run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device)
+    if args.grad_ckpt:
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+        run.model.train()  # transformers checkpoints only in training mode
+    run.teacher = make_teacher(run.model, run.teacher_kind)
+    run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=args.lr or method.lr,
+                                weight_decay=0.0)
     run.state = method.state(run)
     if args.resume:
         bk.load_checkpoint(run, args.resume)
@@ -279,6 +302,16 @@ def build(args):
     return run
 
 
+def make_teacher(model, kind):
+    """The teacher's weights: θ0 frozen, an EMA of θ, θ itself (live), or none. With LoRA, θ0 is the
+    same model with the adapter off and the EMA teacher a second adapter: no copy of the model."""
+    if kind in ('live', 'none'):
+        return model if kind == 'live' else None
+    if M.is_lora(model):
+        return M.Adapter(model) if kind == 'frozen' else M.add_ema(model)
+    return frozen_copy(model)
+
+
 def frozen_copy(model):
     return copy.deepcopy(model).eval().requires_grad_(False)                    # θ0
 
@@ -293,6 +326,8 @@ def main(argv=None):
     np.random.seed(args.seed)
     with bk.Guard(args) as guard:
         run = guard.run = build(args)
+        if args.export:
+            return print(f'exported {M.export(run.model, run.tok, os.path.join(run.dir, "export"))}')
         guard.training = True
         bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes',
                    dynamic_ncols=True)

@@ -127,7 +127,7 @@ def warmup(args, tok, model, env, device):
     -> (cache path, whether it came from the cache)."""
     key = json.dumps(['v8', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
                       args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, M.SPECIALS,
-                      M.MAX_OBS_CHARS])
+                      M.MAX_OBS_CHARS] + ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
@@ -138,7 +138,7 @@ def warmup(args, tok, model, env, device):
         torch.manual_seed(1234)
         torch.set_num_threads(WARMUP_THREADS)
         pool, by_family = warmup_pool(env)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
         for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
             for g in opt.param_groups:  # cosine decay to 10%
                 g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
@@ -151,20 +151,20 @@ def warmup(args, tok, model, env, device):
             opt.step()
             bar.set_postfix(loss=f'{loss.item():.3f}')
         torch.set_num_threads(threads)
-        return {'model': model.state_dict(), 'key': key}
+        return {'model': M.trainable_state(model), 'key': key}  # with LoRA, only the adapter
 
     def apply(saved):
         if saved['key'] != key:
             raise ValueError('the key inside differs')
-        bk.load_module(model, saved['model'])
+        (M.load_trainable if M.is_lora(model) else bk.load_module)(model, saved['model'])
 
     return path, bk.cached(path, 'warm-up', build, apply, device)
 
 
-def load_model(args, env):
+def load_model(args, env, dtype=torch.float32):
     """The tokenizer and the model before the warm-up, as every run (and test, and notebook) builds
     them: the BPE tokenizer learned from this environment's text (or bytes, or --model's own), and
     the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
     torch.manual_seed(1234)
     texts = tokenizer_texts(env) if args.bpe_merges and not args.model else None
-    return M.load(args.model or None, args.d_model, args.n_layer, texts, args.bpe_merges)
+    return M.load(args.model or None, args.d_model, args.n_layer, texts, args.bpe_merges, dtype)
