@@ -539,6 +539,75 @@ GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teach
               'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
 
 
+# ----------------------------------------------------------------------------- memory (--memory)
+
+def step_memory(B, T, V, chunk, d=64):
+    """Run in a fresh process: one distillation step (the student's forward with its graph, the frozen
+    teacher's without, full-vocabulary reverse KL, backward, AdamW) of a 1-layer Llama of width d with
+    a V-token vocabulary on (B, T) tokens -> (resident GiB before the step, peak GiB during it)."""
+    import copy
+    import resource
+    import torch
+    import lopd
+    import model as M
+    torch.manual_seed(0)
+    student = M.tiny_llama(V, d_model=d, n_layer=1, n_head=2, max_len=T + 1)
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    ids, attn = torch.randint(0, V, (B, T)), torch.ones(B, T, dtype=torch.long)
+    bos = lambda m: [M.embed(m, torch.tensor([0]))] * B
+    gib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # ru_maxrss is in KiB on Linux
+    before = gib()
+    with torch.no_grad():
+        logits_t = M.logits_on(teacher, bos(teacher), ids, attn, chunk=chunk)
+    loss = lopd.distill_loss(M.logits_on(student, bos(student), ids, attn, chunk=chunk), logits_t, attn.float())
+    loss.backward()
+    opt.step()
+    return before, gib()
+
+
+def lora_memory(r=16):
+    """Parameter bytes of student + θ0 + EMA teacher for a Qwen2.5-0.5B-shaped model (built on the meta
+    device: counts, no weights): three bf16 copies, vs one bf16 copy and two float32 LoRA adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device('meta'):
+        model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=r, lora_alpha=2 * r, target_modules='all-linear'))
+    base = sum(p.numel() for n, p in model.named_parameters() if 'lora_' not in n)
+    adapter = sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n)
+    return base, adapter
+
+
+def memory_report(o):
+    """--memory: the two tables of the README's "Your own model on one GPU" section, printed."""
+    B, T, V = 4, 2048, 151936
+    rows = []
+    for b, chunk in [(1, 0), (2, 0), (1, 1024), (2, 1024), (B, 1024), (B, 256)]:
+        code = f'import bench; print(*bench.step_memory({b}, {T}, {V}, {chunk}))'
+        out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
+        if out.returncode:
+            die(f'--memory: the step with B={b}, chunk={chunk} failed: {out.stderr.strip().splitlines()[-1:]}')
+        before, peak = map(float, out.stdout.split())
+        rows.append((b, chunk, before, peak))
+        print(f'B={b} T={T} V={V} chunk={chunk or "none"}: resident {before:.2f} GiB before the step, peak {peak:.2f} GiB '
+              f'(+{peak - before:.2f})', flush=True)
+    step = {(b, c): peak - before for b, c, before, peak in rows}
+    # unchunked, B = 4 needs more memory than this machine has: the step's memory is linear in B, so
+    # it is extrapolated from B = 1 and 2 (the chunked step's does not grow with B: it is one chunk's)
+    unchunked = step[1, 0] + (B - 1) * (step[2, 0] - step[1, 0])
+    print(f'B={B} unchunked, extrapolated from B=1 and 2: +{unchunked:.2f} GiB; chunked / unchunked: '
+          f'{step[B, 1024] / unchunked:.3f} (chunk 1024), {step[B, 256] / unchunked:.3f} (chunk 256)')
+    base, adapter = lora_memory()
+    three, lora = 3 * base * 2, base * 2 + 2 * adapter * 4
+    print(f'0.5B-shaped Qwen2 ({base / 1e6:.0f}M parameters; LoRA r=16 on every linear layer: {adapter / 1e6:.1f}M): '
+          f'student + θ0 + EMA as three bf16 copies {three / 2 ** 30:.2f} GiB, as one bf16 copy + two fp32 adapters '
+          f'{lora / 2 ** 30:.2f} GiB ({lora / three:.3f}x); AdamW state {base * 8 / 2 ** 30:.2f} GiB (full) vs '
+          f'{adapter * 8 / 2 ** 30:.3f} GiB (adapter)')
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse(argv):
@@ -558,6 +627,8 @@ def parse(argv):
     p.add_argument('--out_dir', default='runs', help='where the runs, the warm-up cache and compare-<env>/ go')
     p.add_argument('--jobs', type=int, default=2, help='runs at a time (one core each on a 2-core machine)')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='a train.py flag, every run (repeatable)')
+    p.add_argument('--memory', action='store_true', help='peak memory of one distillation step at V = 151,936, T = 2,048, '
+                   'chunked vs unchunked scoring, and LoRA parameter memory for a 0.5B-shaped model (no training runs)')
     o, extras = p.parse_known_args(argv)
     if o.jobs < 1:
         die(f'--jobs must be >= 1, got {o.jobs}')
@@ -592,6 +663,8 @@ def main(argv=None):
     out_dir = os.path.abspath(o.out_dir)
     cmp_dir = os.path.join(out_dir, f"compare-{o.env}{'-quick' if o.quick else ''}")  # a quick tuning tunes quick runs
     tuned = {} if o.no_tuned or o.tune else read_json(os.path.join(cmp_dir, 'tuning.json')) or {}
+    if o.memory:
+        return memory_report(o)
     if o.teacher_gap:
         o.argv = sys.argv[1:] if argv is None else argv
         print(f'bench: teacher gap in {time.time() - t0:.0f}s; table in {os.path.relpath(teacher_gap(o, out_dir, cmp_dir))}')

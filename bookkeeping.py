@@ -29,6 +29,7 @@ from dataclasses import field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import model as M
 
@@ -86,10 +87,10 @@ def fail(msg):
 
 
 def pick_device(name):
+    if name == 'cuda' or (name == 'auto' and torch.cuda.is_available()):
+        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))  # torchrun: one GPU per rank
     if name != 'auto':
         return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device('cuda')
     if getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available():
         return torch.device('mps')
     return torch.device('cpu')
@@ -129,13 +130,18 @@ class Run:
 
 def atomic_save(obj, path):
     """Write to a temp file and rename: a kill mid-write never leaves a corrupt file (the
-    temp name is per process, so two runs building the same cache cannot tear it)."""
+    temp name is per process, so two runs building the same cache cannot tear it). Under
+    torchrun only rank 0 writes files."""
+    if not writer():
+        return
     tmp = f'{path}.{os.getpid()}.tmp'
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
 def atomic_json(obj, path):
+    if not writer():
+        return
     tmp = f'{path}.{os.getpid()}.tmp'
     with open(tmp, 'w') as f:
         json.dump(obj, f, indent=2)
@@ -209,12 +215,14 @@ def load_checkpoint(run, path):
         die(f'cannot resume from {path}: {type(e).__name__}: {msg[:300]}')
     # the metrics log is rewritten from the checkpoint: evals written after it (a run
     # killed between an eval and its checkpoint) are dropped, as they will be redone
+    if not writer():
+        return
     with open(os.path.join(run.dir, 'metrics.jsonl.tmp'), 'w') as f:
         f.writelines(json.dumps(m) + '\n' for m in run.metrics)
     os.replace(os.path.join(run.dir, 'metrics.jsonl.tmp'), os.path.join(run.dir, 'metrics.jsonl'))
 
 
-RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips', 'grad_ckpt', 'export')  # what --resume may change
+RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips', 'grad_ckpt', 'tensorboard', 'export')  # what --resume may change
 
 
 def resume_config(args, argv, config_class):
@@ -351,6 +359,11 @@ class Guard:
         self.old = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
+    def stop(self, device):
+        """Stop now? Under torchrun, on every rank as soon as one rank caught a signal."""
+        self.now = any_rank(self.now, device)
+        return self.now
+
     def on_signal(self, sig, frame):
         if not self.training or (self.now and sig == signal.SIGINT):
             raise KeyboardInterrupt
@@ -389,9 +402,27 @@ def log_eval(run, m):
     for k in run.log:
         if k != 'skipped':
             run.log[k] = []
-    with open(os.path.join(run.dir, 'metrics.jsonl'), 'a') as f:
-        f.write(json.dumps(m) + '\n')
+    if writer():
+        with open(os.path.join(run.dir, 'metrics.jsonl'), 'a') as f:
+            f.write(json.dumps(m) + '\n')
+        if getattr(run.args, 'tensorboard', False):
+            tensorboard(run, m)
     return m
+
+
+def tensorboard(run, m):
+    """The same numbers as metrics.jsonl, as TensorBoard scalars against episodes (--tensorboard)."""
+    if getattr(run, 'tb', None) is None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            die('--tensorboard needs the tensorboard package: pip install tensorboard')
+        run.tb = SummaryWriter(os.path.join(run.dir, 'tensorboard'))
+    flat = {k: v for k, v in m.items() if isinstance(v, (int, float)) and k not in ('step', 'episodes')}
+    flat.update({f'{k}/{f}': v for k in ('family', 'times') for f, v in m.get(k, {}).items()})
+    for k, v in flat.items():
+        run.tb.add_scalar(k, v, m['episodes'])
+    run.tb.flush()
 
 
 def summarize(run):
@@ -409,6 +440,8 @@ def summarize(run):
 
 
 def plot(run):
+    if not writer():
+        return
     from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend is left alone
     x = [m['episodes'] for m in run.metrics]
     fig = Figure(figsize=(6, 4))
@@ -422,3 +455,84 @@ def plot(run):
     fig.tight_layout()
     fig.savefig(os.path.join(run.dir, 'curve.png.tmp'), dpi=100, format='png')
     os.replace(os.path.join(run.dir, 'curve.png.tmp'), os.path.join(run.dir, 'curve.png'))
+
+
+# ----------------------------------------------------------------------------- torchrun: data parallel
+# `torchrun --nproc_per_node N train.py …`: every rank draws the same tasks, rolls out its contiguous
+# share of them (its own sampling stream), and the shares are gathered, so every rank holds the whole
+# batch and takes the same update: the method's state (θ, φ, the bank, β, a critic) stays the same on
+# every rank without a gradient all-reduce, and any method runs as it does in one process. What is
+# split is generation, the slow part of an on-policy step; evaluation is split the same way. Rank 0
+# writes the files and prints; the warm-up and a method's setup are built by rank 0 and read by the rest.
+
+def world():
+    """(rank, number of ranks): torchrun's, or (0, 1) in one process."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def writer():
+    return world()[0] == 0
+
+
+def init_distributed(device):
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA); the other ranks go quiet."""
+    if int(os.environ.get('WORLD_SIZE', 1)) <= 1 or dist.is_initialized():
+        return
+    cuda = pick_device(device).type == 'cuda'
+    if cuda:
+        torch.cuda.set_device(pick_device(device))
+    dist.init_process_group('nccl' if cuda else 'gloo')
+    if not writer():
+        os.environ['TQDM_DISABLE'] = '1'
+        sys.stdout = open(os.devnull, 'w')
+
+
+@contextlib.contextmanager
+def rank0_first():
+    """Rank 0 runs the block first (it builds a cache), then the others (they read it)."""
+    rank, n = world()
+    if n > 1 and rank:
+        dist.barrier()
+    yield
+    if n > 1 and not rank:
+        dist.barrier()
+
+
+def shared(run, fn, items):
+    """fn(items) -> a list, or a tuple of lists, one entry per item; under torchrun each rank runs fn on
+    its contiguous share of items, with its own sampling stream, and the shares are gathered in
+    order, so that every rank returns what one process would (up to which stream sampled what)."""
+    rank, n = world()
+    if n == 1:
+        return fn(items)
+    cuts, before = np.linspace(0, len(items), n + 1).round().astype(int), run.episodes
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
+        torch.manual_seed(hash((run.args.seed, run.step, run.episodes, rank)) % 2 ** 31)
+        mine = fn(items[cuts[rank]:cuts[rank + 1]])
+    every = [None] * n
+    dist.all_gather_object(every, (mine, run.episodes - before))  # a sampler may count episodes itself (PSP)
+    run.episodes = before + sum(extra for _, extra in every)
+    every = [part for part, _ in every]
+    if isinstance(mine, tuple):
+        return tuple([x for part in every for x in part[k]] for k in range(len(mine)))
+    return [x for part in every for x in part]
+
+
+def any_rank(flag, device):
+    """True on every rank if it is True on one (a signal caught by one rank stops them all)."""
+    if world()[1] == 1:
+        return bool(flag)
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def check_in_sync(run):
+    """Every rank took the same updates: their trained weights agree (a cheap checksum), else stop."""
+    if world()[1] == 1:
+        return
+    total = torch.tensor([float(sum(p.double().sum() for p in run.model.parameters() if p.requires_grad))], device=run.device)
+    every = [torch.zeros(1, dtype=total.dtype) for _ in range(world()[1])]
+    dist.all_gather(every, total)
+    if any(e.item() != every[0].item() for e in every):
+        raise Diverged(f'the ranks\' weights differ ({[e.item() for e in every]}): an update was not the same on every rank')

@@ -68,7 +68,7 @@ class Tokenizer:
     def digest(self):
         """A short hash of the vocabulary (ranks and specials) and the layout, so that caches built on another tokenizer are not reused."""
         vocab = sorted(self.enc._mergeable_ranks.items()) if self.enc is not None else sorted(self.hf.get_vocab().items())
-        return hashlib.sha1(repr((vocab, self.chat)).encode()).hexdigest()[:10]
+        return hashlib.sha1(repr((vocab, self.chat) if self.chat else vocab).encode()).hexdigest()[:10]
 
     def encode(self, text):
         # plain text only: special-token strings inside model or env text stay literal bytes

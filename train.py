@@ -72,13 +72,15 @@ class Args:
     device: str = arg('auto', 'auto = cuda, then mps, then cpu', choices=['auto', 'cpu', 'cuda', 'mps'], group=RUN)
     dtype: str = arg('auto', 'fp32, bf16 (autocast), or auto = bf16 on a CUDA device that supports it (no fp16: '
                      'it needs loss scaling)', choices=['auto', 'fp32', 'bf16'], group=RUN)
+    tensorboard: bool = arg(False, 'also write the logged metrics for TensorBoard, to <run>/tensorboard/', after_setup=True,
+                            group=RUN)
     max_skips: int = arg(5, 'stop after this many updates in a row with a non-finite loss or gradient', lo=1,
                          after_setup=True, group=RUN)
     model: str = arg('', "a transformers causal LM, name or path ('' = the offline tiny Llama)", group=MODEL)
     lora_r: int = arg(-1, 'rank of the LoRA adapter that trains (0 = every weight trains; -1 = 16 with --model, '
                       '0 for the tiny model)', lo=-1, group=MODEL)
     score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
-                           '-1 = 1024 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+                           '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
     grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
                           after_setup=True, group=MODEL)
     export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
@@ -132,7 +134,7 @@ def parse_args(argv=None):
     if a.lora_r < 0:
         a.lora_r = 16 if a.model else 0
     if a.score_chunk < 0:
-        a.score_chunk = 1024 if a.model else 0
+        a.score_chunk = 256 if a.model else 0
     if a.export:
         a.resume = a.resume or a.export
     check_args(a, argv)
@@ -149,6 +151,9 @@ def check_args(a, argv):
             die(f'--{k} applies to {", ".join(methods.readers(k))} only, not {a.method}')
     if a.batch % m.group:
         die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
+    ranks = int(os.environ.get('WORLD_SIZE', 1))
+    if a.batch % (m.group * ranks):
+        die(f'--batch {a.batch} must be a multiple of the group size {m.group} × {ranks} ranks, so every rank rolls out whole groups')
     if a.resume and not os.path.exists(a.resume):
         die(f'--resume path does not exist: {a.resume}')
     if a.device == 'cuda' and not torch.cuda.is_available():
@@ -224,8 +229,9 @@ def train_step(run):
     """One step of the chosen method on a fresh batch of episodes."""
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
-    with run.timer('rollout'):
-        eps, bodies, masks = m.sample(run, tasks, rollout) if m.sample else rollout(run.model, run.tok, run.env, tasks)
+    with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
+        eps, bodies, masks = bk.shared(run, lambda ts: m.sample(run, ts, rollout) if m.sample else
+                                       rollout(run.model, run.tok, run.env, ts), tasks)
         b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device),
                           torch.tensor([e.reward for e in eps], device=run.device))
     run.episodes += len(eps)
@@ -247,7 +253,8 @@ def evaluate(run):
     own success when it decodes with its context (does the context carry information?)."""
     tasks = run.env.eval_tasks[:run.args.eval_tasks]
     with run.timer('eval'):
-        eps = [e for i in range(0, len(tasks), 128) for e in rollout(run.model, run.tok, run.env, tasks[i:i + 128], greedy=True)[0]]
+        eps = bk.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
+                                         for e in rollout(run.model, run.tok, run.env, ts[i:i + 128], greedy=True)[0]], tasks)
         out, fam = {'success': float(np.mean([e.reward for e in eps]))}, {}
         for e in eps:
             fam.setdefault(e.task.family, []).append(e.reward)
@@ -256,7 +263,8 @@ def evaluate(run):
             tasks = tasks[:run.args.teacher_eval]  # families cycle, so the first N are balanced
             out['student_success_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             prefixes = methods.with_default(run, run.method.context(run, [run.env.reset(t) for t in tasks]))
-            teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=prefixes)[0]
+            teps = bk.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
+                                                       prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
             out['teacher_success'] = float(np.mean([e.reward for e in teps]))
     return bk.log_eval(run, out)
 
@@ -269,12 +277,15 @@ def build(args):
     method = methods.METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
     run.env = envs.make_env(args.env)
-    run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
+    try:
+        run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
+    except ValueError as e:  # a chat template that is not one layout
+        die(f'--model {args.model}: {e}')
     M.SCORE_CHUNK = args.score_chunk
     if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
         run.model = M.with_lora(run.model, run.tok, args.lora_r)
     run.model.to(run.device)
-    with run.timer('warmup'):
+    with run.timer('warmup'), bk.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
@@ -290,14 +301,16 @@ def build(args):
         bk.load_checkpoint(run, args.resume)
         print(f'resumed at step {run.step}, {run.episodes} episodes')
         return run
-    open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
+    if bk.writer():
+        open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
     bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
     with run.autocast():
         m = evaluate(run)
         print(f"base model: held-out success {m['success']:.3f}" +
               (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
         if method.setup:
-            bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
+            with bk.rank0_first():
+                bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
     return run
 
@@ -319,7 +332,8 @@ def frozen_copy(model):
 def main(argv=None):
     args = parse_args(argv)
     args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
-    if not args.resume:
+    bk.init_distributed(args.device)
+    if not args.resume and bk.writer():
         bk.claim_run_dir(os.path.join(args.out_dir, args.name), args.overwrite)
     print(json.dumps(dataclasses.asdict(args)))
     random.seed(args.seed)
@@ -330,8 +344,8 @@ def main(argv=None):
             return print(f'exported {M.export(run.model, run.tok, os.path.join(run.dir, "export"))}')
         guard.training = True
         bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes',
-                   dynamic_ncols=True)
-        while run.episodes < args.episodes and not guard.now:                   # the loop
+                   dynamic_ncols=True, disable=not bk.writer())
+        while run.episodes < args.episodes and not guard.stop(run.device):           # the loop
             before = run.episodes
             with run.autocast():
                 train_step(run)
@@ -341,6 +355,7 @@ def main(argv=None):
                     m = evaluate(run)
                 bar.set_postfix(success=f"{m['success']:.3f}", **{k: f'{v:.2f}' for k, v in run.state.items()
                                                                    if isinstance(v, float)})
+                bk.check_in_sync(run)
                 bk.save_checkpoint(run)
                 bk.plot(run)
         bar.close()

@@ -137,7 +137,7 @@ def warmup(args, tok, model, env, device):
         rng, threads = random.Random(1234), torch.get_num_threads()
         torch.manual_seed(1234)
         torch.set_num_threads(WARMUP_THREADS)
-        pool, by_family = warmup_pool(env)
+        pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
         for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
             for g in opt.param_groups:  # cosine decay to 10%

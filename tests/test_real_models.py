@@ -1,0 +1,308 @@
+"""The real-model path, offline: tiny random Llama, Qwen2, Qwen3 and GPT-2 models built from
+transformers configs with a byte-level tokenizer and a ChatML chat template (tests/tiny_hf.py).
+
+- the chat template's layout: the body reads as the template renders the conversation, the
+  agent mask covers exactly the assistant turns, and a template that is not one layout is one line;
+- chunked scoring through the LM head equals the unchunked one (values and gradients, full and
+  top-k + tail divergences), with and without LoRA;
+- LoRA: θ0 is the adapter off, the EMA teacher a second adapter, only the adapter trains, a
+  checkpoint holds only the adapter, gradient checkpointing changes no gradient;
+- train.py --model DIR with LoRA on each architecture: a run resumed after one step ends as one
+  run does, and --export writes a model that AutoModelForCausalLM reads back and that scores and
+  generates as the run's student does;
+- torchrun --nproc_per_node 2 (gloo): the same base evaluation as one process, and the ranks stay in step."""
+import contextlib
+import copy
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import envs  # noqa: E402
+import lopd  # noqa: E402
+import model as M  # noqa: E402
+import tiny_hf  # noqa: E402
+import train  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """arch -> a saved tiny model folder (built once per module)."""
+    made = {}
+
+    def get(arch, chat=True):
+        if (arch, chat) not in made:
+            made[arch, chat] = tiny_hf.save(tmp_path_factory.mktemp(f"{arch}-{chat}"), arch, chat)
+        return made[arch, chat]
+    return get
+
+
+def episode(env, seed=0):
+    task = env.train_tasks[seed]
+    return envs.play(env, task, env.demo(task, random.Random(seed)))
+
+
+# ----------------------------------------------------------------------------- the chat template
+
+def test_the_body_reads_as_the_template_renders_the_conversation(hf):
+    tok, _ = M.load(hf("qwen3"))
+    env = envs.make_env("tooluse")
+    for seed in range(5):
+        ep = episode(env, seed)
+        ids, mask = M.encode_episode(tok, ep)
+        msgs = [{"role": "user", "content": ep.task.prompt[:M.MAX_OBS_CHARS]}]
+        for action, obs in ep.turns:
+            msgs.append({"role": "assistant", "content": action})
+            if obs:
+                msgs.append({"role": "user", "content": obs[:M.MAX_OBS_CHARS]})
+        rendered = tok.hf.apply_chat_template(msgs, tokenize=False)
+        assert tok.hf.decode(tok.head() + ids) + "\n" == rendered      # the template's own text, to the last character
+        # the mask is the assistant turns: each action and the <|im_end|> that closes it, nothing else
+        runs, cur = [], []
+        for i, m in zip(ids, mask):
+            if m:
+                cur.append(i)
+            elif cur:
+                runs, cur = runs + [cur], []
+        runs += [cur] if cur else []
+        assert [tok.hf.decode(r) for r in runs] == [a + "<|im_end|>" for a, _ in ep.turns]
+    assert tok.eot == tok.hf.convert_tokens_to_ids("<|im_end|>") and tok.vocab_size == len(tok.hf)  # no token added
+
+
+def test_the_teacher_context_opens_the_first_user_turn(hf):
+    tok, model = M.load(hf("qwen3"))
+    ctx = M.text_prefix(model, tok, ["reference solution: city(bo)\n"])[0]
+    ids = tok.context_head() + tok.encode("reference solution: city(bo)\n")
+    assert torch.equal(ctx, M.embed(model, torch.tensor(ids)))
+    assert tok.hf.decode(ids) == "<|im_start|>user\nreference solution: city(bo)\n"   # the task follows, in the body
+    assert tok.hf.decode(tok.head()) == "<|im_start|>user\n"
+
+
+def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(hf("qwen3"))
+    t.chat_template = tiny_hf.CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}{% if loop.last %} (last){% endif %}")
+    with pytest.raises(ValueError, match="not one fixed layout"):
+        M.chat_layout(t)
+    folder = tmp_path / "odd"
+    t.save_pretrained(folder)
+    for f in ("config.json", "model.safetensors"):
+        os.link(os.path.join(hf("qwen3"), f), folder / f)
+    r = subprocess.run([sys.executable, "train.py", "--model", str(folder), "--out_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not one fixed layout" in r.stderr
+
+
+# ----------------------------------------------------------------------------- chunked scoring
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_scoring_equals_the_whole_batch(hf, lora):
+    tok, student = M.load(hf("qwen3"))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    if lora:
+        student = M.with_lora(student, tok, 4)
+        with torch.no_grad():  # a trained adapter, so that θ ≠ θ0
+            for n, p in student.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+    torch.manual_seed(0)
+    ids = torch.randint(0, tok.vocab_size, (3, 11))
+    attn = torch.ones(3, 11, dtype=torch.long)
+    attn[1, 7:] = 0
+    mask = (torch.rand(3, 11) < 0.6).float() * attn
+    pre = lambda m: [M.embed(m, torch.tensor(tok.head() + [65] * k)) for k in range(3)]   # prefixes of 3 lengths
+    results = {}
+    for chunk in (0, 1, 5, 1000):
+        out = []
+        for kind, topk in [("rkl", 0), ("fkl", 0), ("jsd", 0), ("rkl", 16), ("jsd", 16)]:
+            student.zero_grad()
+            ls = M.logits_on(student, pre(student), ids, attn, chunk=chunk)
+            with torch.no_grad():
+                lt = M.logits_on(teacher, pre(teacher), ids, attn, chunk=chunk)
+            loss = lopd.distill_loss(ls, lt, mask, kind, topk) + lopd.masked_mean(lopd.token_logp(ls, ids), mask)
+            loss.backward()
+            out.append((loss.detach(), torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])))
+        if chunk:
+            assert isinstance(ls, lopd.Logits) and not isinstance(lt.h, torch.nn.Parameter)
+        results[chunk] = out
+    for chunk in (1, 5, 1000):
+        for (l0, g0), (l1, g1) in zip(results[0], results[chunk]):
+            assert torch.allclose(l0, l1, atol=1e-5, rtol=0) and torch.allclose(g0, g1, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_logits_select_rows_as_a_tensor_does():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 30, bias=True)
+    h = torch.randn(4, 5, 8)
+    lazy, full = lopd.Logits(h, head.weight, head.bias, chunk=3), head(h)
+    keep = torch.tensor([True, False, True, True])
+    y = torch.randint(0, 30, (4, 5))
+    assert torch.allclose(lopd.token_logp(lazy[keep], y[keep]), lopd.token_logp(full[keep], y[keep]), atol=1e-6)
+    frozen = lazy.detach()
+    with torch.no_grad():
+        head.weight.add_(1.0)  # a step of θ after the teacher scored: the detached view keeps the head it had
+    assert torch.allclose(lopd.token_logp(frozen, y), lopd.token_logp(full, y), atol=1e-6)
+    assert not frozen.grad and frozen.weight.data_ptr() != head.weight.data_ptr()
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def test_lora_teachers_share_the_base_weights(hf):
+    tok, base = M.load(hf("llama"))
+    ref = copy.deepcopy(base)
+    model = M.with_lora(base, tok, 4)
+    theta0, ema = train.make_teacher(model, "frozen"), train.make_teacher(model, "ema")
+    ids = torch.randint(0, tok.vocab_size, (2, 9))
+    logits = lambda m: m(input_ids=ids).logits
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".default" in n and "lora_" in n for n in trainable)   # only θ's adapter trains
+    for _ in range(2):
+        opt.zero_grad()
+        logits(model).logsumexp(-1).mean().backward()
+        assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+        opt.step()
+        lopd.ema_update(ema, M.trained(model), 0.25)
+    assert not torch.allclose(logits(model), logits(ref))                        # θ moved
+    assert torch.allclose(logits(theta0), logits(ref), atol=1e-6)                 # θ0: the adapter off is the base
+    # the EMA adapter is the lerp of θ's adapter, step by step; its view is the base plus that adapter
+    a, b = M.Adapter(model, "ema").parameters(), M.trained(model).parameters()
+    assert len(a) == len(b) == len(trainable) and not any(x.requires_grad for x in a)
+    assert all(p.requires_grad for p in b) and theta0.on is False
+    manual = copy.deepcopy(model)
+    with torch.no_grad():
+        for pt, ps in zip(M.trained(manual).parameters(), M.Adapter(manual, "ema").parameters()):
+            pt.copy_(ps)
+    assert torch.allclose(logits(ema), logits(manual), atol=1e-6)
+    assert not torch.allclose(logits(ema), logits(model)) and not torch.allclose(logits(ema), logits(ref))
+    saved = M.trainable_state(model)
+    assert set(saved) and all("lora_" in k for k in saved)                      # a checkpoint holds the adapter only
+    with pytest.raises(ValueError, match="size mismatch"):
+        M.load_trainable(model, {k: v for k, v in list(saved.items())[1:]})
+
+
+def test_lora_trains_the_added_specials_without_a_template(hf):
+    tok, base = M.load(hf("gpt2", chat=False))
+    model = M.with_lora(base, tok, 4)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("trainable_tokens" in n for n in names) and any("lora_" in n for n in names)
+    assert tok.chat is None and tok.decode(tok.encode("a <|eot|> b")) == "a <|eot|> b"
+
+
+def test_gradient_checkpointing_changes_no_gradient(hf):
+    tok, base = M.load(hf("qwen2"))
+    model = M.with_lora(base, tok, 4)
+    ids = torch.randint(0, tok.vocab_size, (2, 9))
+    attn = torch.ones_like(ids)
+    grads = []
+    for ckpt in (False, True):
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        model.zero_grad()
+        ls = M.logits_on(model, M.bos_prefix(model, tok, 2), ids, attn, chunk=4)
+        lopd.masked_mean(lopd.token_logp(ls, ids), attn.float()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].numel() and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- train.py --model, resume, export
+
+# a random model never ends a turn, so every turn runs to the environment's token limit: few, small steps
+SMALL = ["--batch", "4", "--eval_every", "1", "--eval_tasks", "4", "--teacher_eval", "2", "--lora_r", "4"]
+OWN = {"lopd": ["--init_episodes", "4", "--cold_start_steps", "1", "--warmup_steps", "1", "--warmup_batch", "4"]}  # a LoRA warm-up, merged
+
+
+def train_py(args, out_dir):
+    """train.py in a process of its own, as a user runs it -> its stdout."""
+    r = subprocess.run([sys.executable, "train.py", *args, "--out_dir", str(out_dir)], cwd=ROOT, capture_output=True,
+                       text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def in_process(args, out_dir):
+    """train.main in this process (one thread, as the subprocesses): the same run, without a new process's start."""
+    log, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            train.main([*args, "--out_dir", str(out_dir)])
+    finally:
+        torch.set_num_threads(threads)
+        M.SCORE_CHUNK = 0  # a --model run sets it for the process; the other tests of this worker score whole batches
+    return log.getvalue()
+
+
+def metrics(folder):
+    return [{k: v for k, v in m.items() if k != "times"} for m in map(json.loads, open(os.path.join(folder, "metrics.jsonl")))]
+
+
+@pytest.mark.parametrize("arch,method", [("llama", "lopd"), ("qwen2", "opsd"), ("qwen3", "grpo"), ("gpt2", "sdpo")])
+def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method):
+    """3 steps in one go (a process of its own) == 1 step, then --resume (in this process); then --export."""
+    run = [*SMALL, "--model", hf(arch), "--method", method, *OWN.get(method, ["--warmup_steps", "0"])]
+    budget = 12 + (4 if method == "lopd" else 0)              # 3 steps of 4 (and LOPD's bank filling)
+    train_py([*run, "--episodes", str(budget), "--name", "whole"], tmp_path)
+    in_process([*run, "--episodes", str(budget - 8), "--name", "split"], tmp_path)
+    in_process(["--resume", str(tmp_path / "split"), "--episodes", str(budget)], tmp_path)
+    assert metrics(tmp_path / "whole") == metrics(tmp_path / "split")          # to the last digit
+    assert len(metrics(tmp_path / "whole")) == 4
+    ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)
+    assert all("lora_" in k for k in ckpt["model"])                            # only what trains
+    if method == "sdpo":
+        assert ckpt["ema"] and all("lora_" in k for k in ckpt["ema"])
+    out = in_process(["--export", str(tmp_path / "whole")], tmp_path)
+    assert out.strip().splitlines()[-1] == f"exported {tmp_path / 'whole' / 'export'}"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "export")
+    assert not hasattr(exported, "peft_config") and type(exported).__name__.lower().startswith(arch[:4])
+    # it scores as the run's student does: θ0 + the checkpoint's adapter
+    try:
+        built = train.build(train.parse_args(["--resume", str(tmp_path / "whole")]))
+    finally:
+        M.SCORE_CHUNK = 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "whole" / "export")
+    ids = torch.tensor([built.tok.head() + built.tok.turn("city of bo", first=True)])
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, built.model(input_ids=ids).logits, atol=1e-4)
+    gen = exported.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=built.tok.pad)
+    assert gen.shape[1] > ids.shape[1] and tok.decode(gen[0, :ids.shape[1]]) == built.tok.hf.decode(ids[0])
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "40", "--teacher_eval", "20"]
+
+
+def torchrun(args, out_dir, n=2):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "train.py", *args,
+                        "--out_dir", str(out_dir)], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_torchrun_matches_one_process_and_keeps_the_ranks_in_step(base_in, tmp_path):
+    """LOPD holds the most state (the bank, φ, β). Under torchrun: the base's evaluation, split over the
+    ranks and gathered, is the one process's; every rank takes the same updates (train.py checks at
+    every evaluation that the ranks' weights agree, and stops if not); one rank writes one run folder;
+    a run resumes under torchrun."""
+    out = base_in(tmp_path)
+    run = [*TINY, "--method", "lopd", "--init_episodes", "16", "--cold_start_steps", "2"]
+    torchrun([*run, "--episodes", "48", "--name", "two"], out)
+    torchrun(["--resume", str(tmp_path / "two"), "--episodes", "80"], out)
+    in_process([*run, "--episodes", "48", "--name", "one"], out)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert one[0] == two[0]
+    assert [m["episodes"] for m in one] == [0, 48] and [m["episodes"] for m in two] == [0, 48, 80]
+    assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
