@@ -47,7 +47,8 @@ class Batch:
 @dataclass
 class Teacher:
     """What train.teacher_phase hands the loss and the after-step hook."""
-    logits: torch.Tensor   # (B, T, V) π_T(· | c, x, y<t) at every position of every trajectory
+    logits: torch.Tensor   # (B, T, V) π_T(· | c, x, y<t) at every position of every trajectory (a lopd.Logits
+                           # with --score_chunk: read it, as logits_s, through lopd's functions or lopd.per_position)
     keep: torch.Tensor     # (B,) bool: False where the method gave the rollout no context (masked out)
     context: list          # what method.context returned (LOPD's also carries z, z0 and what was retrieved)
 

@@ -100,31 +100,33 @@ class Tokenizer:
 
 
 def chat_layout(hf):
-    """The pieces of a chat template, found by rendering a two-turn conversation with markers:
+    """The pieces of a chat template, found by rendering conversations with markers:
 
-        head ⟨T1⟩ assistant ⟨A1⟩ eot user ⟨T2⟩ assistant      (assistant = user close + assistant open)
+        head ⟨T1⟩ assistant ⟨A1⟩ eot user ⟨T2⟩ assistant      (assistant = user close + the generation prompt)
 
     -> token ids of each piece; eot is the token that ends an assistant turn (the first of its close),
-    what the agent generates last and decoding stops on. Template text is tokenized with its special
-    tokens; a template whose pieces differ between turns (e.g. one that rewrites past assistant turns)
-    is refused in one line, since a body must read the same to the teacher and the student."""
+    what the agent generates last and decoding stops on. Every turn opens with the generation prompt,
+    as it did when the agent generated it (a template may render past assistant turns otherwise, e.g.
+    Qwen3's without their empty <think></think>: the body holds what the policy was conditioned on).
+    Thinking is switched off (enable_thinking=False, for templates that read it): an action is a few
+    dozen tokens. Template text is tokenized with its special tokens."""
     mk = ['\x01T1\x01', '\x01A1\x01', '\x01T2\x01']
-    msgs = [{'role': 'user', 'content': mk[0]}, {'role': 'assistant', 'content': mk[1]}, {'role': 'user', 'content': mk[2]}]
+    user = lambda t: {'role': 'user', 'content': t}
+    render = lambda msgs: hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     try:
-        text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        head, rest = text.split(mk[0])
-        asst, rest = rest.split(mk[1])
-        close, asst2 = rest.split(mk[2])
+        head, asst = render([user(mk[0])]).split(mk[0])
+        head3, rest = render([user(mk[0]), {'role': 'assistant', 'content': mk[1]}, user(mk[2])]).split(mk[0])
+        close, asst3 = rest.split(mk[1])[1].split(mk[2])
     except Exception as e:
         raise ValueError(f'cannot read the chat template\'s turns: {type(e).__name__}: {e}') from e
     enc = lambda t: hf.encode(t, add_special_tokens=False)
     close_ids = enc(close)
-    if asst != asst2 or not close_ids or close_ids[0] not in hf.all_special_ids or not enc(head):
+    if head3 != head or asst3 != asst or not close_ids or close_ids[0] not in hf.all_special_ids or not enc(head):
         raise ValueError('the chat template\'s turns are not one fixed layout (head, user, assistant open, '
                          'an end-of-turn special token); use a tokenizer without a chat template')
-    eot = close_ids[0]
-    user = enc(close[len(hf.decode([eot])):]) if close.startswith(hf.decode([eot])) else close_ids[1:]
-    return {'head': tuple(enc(head)), 'first': (), 'user': tuple(user), 'assistant': tuple(enc(asst)), 'eot': eot}
+    eot, eot_text = close_ids[0], hf.decode(close_ids[:1])
+    user_open = enc(close[len(eot_text):]) if close.startswith(eot_text) else close_ids[1:]
+    return {'head': tuple(enc(head)), 'first': (), 'user': tuple(user_open), 'assistant': tuple(enc(asst)), 'eot': eot}
 
 
 # pre-tokenization (GPT-2's, simplified): words with their leading space, single digits, runs of

@@ -10,7 +10,8 @@ transformers configs with a byte-level tokenizer and a ChatML chat template (tes
 - train.py --model DIR with LoRA on each architecture: a run resumed after one step ends as one
   run does, and --export writes a model that AutoModelForCausalLM reads back and that scores and
   generates as the run's student does;
-- torchrun --nproc_per_node 2 (gloo): the same base evaluation as one process, and the ranks stay in step."""
+- torchrun --nproc_per_node 2 (gloo): the same base evaluation as one process, and the ranks stay in step;
+- --tensorboard writes the same numbers as metrics.jsonl."""
 import contextlib
 import copy
 import io
@@ -91,9 +92,16 @@ def test_the_teacher_context_opens_the_first_user_turn(hf):
 def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     from transformers import AutoTokenizer
     t = AutoTokenizer.from_pretrained(hf("qwen3"))
-    t.chat_template = tiny_hf.CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}{% if loop.last %} (last){% endif %}")
+    # the turn counted into the generation prompt: the last turn does not open as the first did
+    t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                                             "<|im_start|>assistant {{ messages | length }}\n{% endif %}")
     with pytest.raises(ValueError, match="not one fixed layout"):
         M.chat_layout(t)
+    t.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # no end-of-turn token
+    with pytest.raises(ValueError, match="not one fixed layout"):
+        M.chat_layout(t)
+    t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                                             "<|im_start|>assistant {{ messages | length }}\n{% endif %}")
     folder = tmp_path / "odd"
     t.save_pretrained(folder)
     for f in ("config.json", "model.safetensors"):
@@ -101,6 +109,21 @@ def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--model", str(folder), "--out_dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not one fixed layout" in r.stderr
+
+
+def test_every_turn_opens_as_the_agent_generated_it(hf):
+    """A Qwen3-like template: the generation prompt has an empty think block that past assistant turns
+    are rendered without. The body holds what the policy was conditioned on: the block before every action."""
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(hf("qwen3"))
+    think = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n" + think + "{% endif %}")
+    tok = M.Tokenizer(hf=t)
+    ep = episode(envs.make_env("tooluse"))
+    ids, mask = M.encode_episode(tok, ep)
+    text = t.decode(tok.head() + ids)
+    assert text.count("<|im_start|>assistant\n<think>\n\n</think>\n\n") == len(ep.turns)
+    assert t.decode([i for i, m in zip(ids, mask) if m]) == "".join(a + "<|im_end|>" for a, _ in ep.turns)
 
 
 # ----------------------------------------------------------------------------- chunked scoring
@@ -306,3 +329,14 @@ def test_torchrun_matches_one_process_and_keeps_the_ranks_in_step(base_in, tmp_p
     assert one[0] == two[0]
     assert [m["episodes"] for m in one] == [0, 48] and [m["episodes"] for m in two] == [0, 48, 80]
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
+
+
+def test_tensorboard_holds_the_metrics(base_in, tmp_path):
+    out = base_in(tmp_path)
+    in_process([*TINY, "--method", "grpo", "--episodes", "32", "--tensorboard"], out)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "grpo-tooluse-s0" / "tensorboard"))
+    tb.Reload()
+    logged = metrics(tmp_path / "grpo-tooluse-s0")
+    assert [(e.step, e.value) for e in tb.Scalars("success")] == [(m["episodes"], pytest.approx(m["success"])) for m in logged]
+    assert "train_reward" in tb.Tags()["scalars"] and any(t.startswith("family/") for t in tb.Tags()["scalars"])

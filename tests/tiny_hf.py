@@ -1,6 +1,5 @@
 """Tiny random transformers models of real architectures, and a byte-level tokenizer with a ChatML
 chat template, built offline and saved to a folder that `train.py --model` reads. Nothing is downloaded."""
-import os
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
