@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import inspect
 import re
+import warnings
 
 import tiktoken
 import torch
@@ -222,7 +223,19 @@ def with_lora(model, tok, r):
     from peft import LoraConfig, get_peft_model
     new = [tok.bos, tok.obs, tok.agent, tok.eot, tok.ctx, tok.pad] if tok.hf is not None and not tok.chat else None
     cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules='all-linear', trainable_token_indices=new)
-    return get_peft_model(model, cfg)
+    with warnings.catch_warnings():  # peft's own use of a renamed transformers property; GPT-2's Conv1D, which it handles
+        warnings.filterwarnings('ignore', message='.*is_gradient_checkpointing.*|.*fan_in_fan_out.*')
+        return get_peft_model(model, cfg)
+
+
+def checkpoint_activations(model):
+    """Gradient checkpointing (non-reentrant), which transformers applies in training mode only."""
+    kw = {'use_reentrant': False}
+    if hasattr(model, 'activation_checkpointing_enable'):  # its name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    return model.train()
 
 
 def is_lora(model):

@@ -291,8 +291,7 @@ def build(args):
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
         run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device)
     if args.grad_ckpt:
-        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
-        run.model.train()  # transformers checkpoints only in training mode
+        M.checkpoint_activations(run.model)
     run.teacher = make_teacher(run.model, run.teacher_kind)
     run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=args.lr or method.lr,
                                 weight_decay=0.0)

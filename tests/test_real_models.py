@@ -230,8 +230,8 @@ def test_gradient_checkpointing_changes_no_gradient(hf):
     grads = []
     for ckpt in (False, True):
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()
+            M.checkpoint_activations(model)
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
         model.zero_grad()
         ls = M.logits_on(model, M.bos_prefix(model, tok, 2), ids, attn, chunk=4)
         lopd.masked_mean(lopd.token_logp(ls, ids), attn.float()).backward()
