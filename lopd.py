@@ -42,7 +42,7 @@ class Logits:
     tensor of a 4 × 2,048 batch is 5 GB, and a divergence holds several. `detach()` gives the
     teacher's view: no graph, and the head's weight frozen as it was when the teacher scored."""
 
-    def __init__(self, h, weight, bias=None, chunk=1024, softcap=None, grad=True):
+    def __init__(self, h, weight, bias=None, chunk=256, softcap=None, grad=True):
         self.h, self.weight, self.bias, self.chunk, self.softcap, self.grad = h, weight, bias, chunk, softcap, grad
         self.shape = (*h.shape[:-1], weight.shape[0])
 

@@ -97,7 +97,7 @@ class Tokenizer:
         body = self.encode(text[:MAX_OBS_CHARS])
         if not self.chat:
             return [self.obs] + body + [self.agent]
-        return (list(self.chat['first']) if first else list(self.chat['user'])) + body + list(self.chat['assistant'])
+        return ([] if first else list(self.chat['user'])) + body + list(self.chat['assistant'])
 
 
 def chat_layout(hf):
@@ -127,7 +127,7 @@ def chat_layout(hf):
                          'an end-of-turn special token); use a tokenizer without a chat template')
     eot, eot_text = close_ids[0], hf.decode(close_ids[:1])
     user_open = enc(close[len(eot_text):]) if close.startswith(eot_text) else close_ids[1:]
-    return {'head': tuple(enc(head)), 'first': (), 'user': tuple(user_open), 'assistant': tuple(enc(asst)), 'eot': eot}
+    return {'head': tuple(enc(head)), 'user': tuple(user_open), 'assistant': tuple(enc(asst)), 'eot': eot}
 
 
 # pre-tokenization (GPT-2's, simplified): words with their leading space, single digits, runs of
@@ -198,11 +198,9 @@ def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0, dtype=
     if model_name is None:
         tok = byte_tokenizer(texts, n_merges)
         return tok, tiny_llama(tok.vocab_size, d_model, n_layer)
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = Tokenizer(hf=AutoTokenizer.from_pretrained(model_name))
-    key = 'dtype' if int(transformers.__version__.split('.')[0]) >= 5 else 'torch_dtype'  # renamed in v5
-    model = AutoModelForCausalLM.from_pretrained(model_name, **{key: dtype})
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if model.get_input_embeddings().weight.shape[0] < tok.vocab_size:
         model.resize_token_embeddings(tok.vocab_size)
     return tok, model
