@@ -111,6 +111,7 @@ class Run:
         self.dir = os.path.join(args.out_dir, args.name)
         self.rng = random.Random(args.seed)
         self.step, self.episodes, self.metrics, self.wall, self.t0 = 0, 0, [], 0.0, time.time()
+        self.setup_episodes = 0  # of run.episodes, those the method's setup sampled (--setup_free does not count them)
         self.times = {k: 0.0 for k in ['warmup', 'rollout', 'teacher', 'student', 'eval']}  # a method may add its own
         self.log = {'loss': [], 'reward': [], 'skipped': []}  # since the last evaluation (skipped: whole run)
         self.skips_in_a_row = 0
@@ -186,7 +187,7 @@ def unpack(state, saved):
             state[k] = saved[k]
 
 
-COUNTERS = ('step', 'episodes', 'metrics', 'times', 'log', 'skips_in_a_row')  # plain values a run carries
+COUNTERS = ('step', 'episodes', 'setup_episodes', 'metrics', 'times', 'log', 'skips_in_a_row')  # plain values a run carries
 
 
 def save_checkpoint(run):
@@ -207,7 +208,7 @@ def load_checkpoint(run, path):
             run.teacher.load_state_dict(state['ema'])
         unpack(run.state, state['state'])
         for k in COUNTERS:
-            setattr(run, k, state[k])
+            setattr(run, k, state[k] if k != 'setup_episodes' else state.get(k, 0))  # older checkpoints lack it
         run.wall = state['wall']
         set_rng(run, state)
     except Exception as e:  # corrupt file, a missing entry, or weights of another shape
@@ -394,7 +395,7 @@ def log_eval(run, m):
     def mean(v):  # None, not NaN, so that metrics.jsonl stays strict JSON
         v = [x for x in v if not math.isnan(x)]
         return float(np.mean(v)) if v else None
-    m.update(step=run.step, episodes=run.episodes, **{k: v for k, v in run.state.items() if isinstance(v, float)},
+    m.update(step=run.step, episodes=run.episodes, training_episodes=run.episodes - run.setup_episodes, **{k: v for k, v in run.state.items() if isinstance(v, float)},
              loss=mean(run.log['loss']), train_reward=mean(run.log['reward']),
              **{k: mean(v) for k, v in run.log.items() if k not in ('loss', 'reward', 'skipped')},
              skipped=sum(run.log['skipped']), times={k: round(v, 2) for k, v in run.times.items()})
@@ -427,16 +428,19 @@ def tensorboard(run, m):
 
 def summarize(run):
     """summary.json and the one-line summary."""
-    a, base, final = run.args, run.metrics[0]['success'], run.metrics[-1]['success']
+    a, base, final = run.args, run.metrics[0], run.metrics[-1]
     wall = run.wall + time.time() - run.t0
-    atomic_json({'method': a.method, 'env': a.env, 'seed': a.seed, 'episodes': run.episodes, 'base_success': base,
-                 'final_success': final, 'best_success': max(m['success'] for m in run.metrics),
-                 'teacher_success': run.metrics[-1].get('teacher_success'), 'wall_seconds': round(wall, 1),
-                 'time_split': {k: round(v, 1) for k, v in run.times.items()}, 'skipped_updates': sum(run.log['skipped']),
-                 'code': run.code}, os.path.join(run.dir, 'summary.json'))
+    atomic_json({'method': a.method, 'env': a.env, 'seed': a.seed, 'episodes': run.episodes,
+                 'setup_episodes': run.setup_episodes, 'base_reward': base['reward'], 'final_reward': final['reward'],
+                 'base_success': base['success'], 'final_success': final['success'],
+                 'best_success': max(m['success'] for m in run.metrics),
+                 **{f'{k}_{w}': m.get(w) for k, m in (('base', base), ('final', final)) for w in ('reward_sampled', 'success_sampled')},
+                 'teacher_reward': final.get('teacher_reward'), 'teacher_success': final.get('teacher_success'),
+                 'wall_seconds': round(wall, 1), 'time_split': {k: round(v, 1) for k, v in run.times.items()},
+                 'skipped_updates': sum(run.log['skipped']), 'code': run.code}, os.path.join(run.dir, 'summary.json'))
     split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
-    return (f"{a.name}: held-out success {base:.3f} -> {final:.3f} after {run.episodes} episodes "
-            f"in {wall:.0f}s ({split}); outputs in {run.dir}/")
+    return (f"{a.name}: held-out reward {base['reward']:.3f} -> {final['reward']:.3f}, success {base['success']:.3f} -> "
+            f"{final['success']:.3f} after {run.episodes} episodes in {wall:.0f}s ({split}); outputs in {run.dir}/")
 
 
 def plot(run):
@@ -446,10 +450,11 @@ def plot(run):
     x = [m['episodes'] for m in run.metrics]
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    ax.plot(x, [m['success'] for m in run.metrics], 'o-', label=f'{run.args.method} student (greedy)')
-    if any('teacher_success' in m for m in run.metrics):
-        ax.plot(x, [m.get('teacher_success', np.nan) for m in run.metrics], 's--', alpha=0.6, label='teacher with context')
-    ax.set(xlabel='episodes sampled', ylabel='held-out success', ylim=(0, 1), title=f'{run.args.name}')
+    ax.plot(x, [m['reward'] for m in run.metrics], 'o-', label=f'{run.args.method} student, reward (greedy)')
+    ax.plot(x, [m['success'] for m in run.metrics], 'o:', alpha=0.7, label=f'{run.args.method} student, success (greedy)')
+    if any('teacher_reward' in m for m in run.metrics):
+        ax.plot(x, [m.get('teacher_reward', np.nan) for m in run.metrics], 's--', alpha=0.6, label='teacher with context, reward')
+    ax.set(xlabel='episodes sampled', ylabel='held-out graded reward / success', ylim=(0, 1), title=f'{run.args.name}')
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

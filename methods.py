@@ -41,7 +41,7 @@ class Batch:
     ids: torch.Tensor      # (B, T) the trajectories' tokens, right-padded
     amask: torch.Tensor    # (B, T) 1 on tokens the agent generated
     attn: torch.Tensor     # (B, T) 1 on real tokens
-    reward: torch.Tensor   # (B,) 0/1
+    reward: torch.Tensor   # (B,) graded, in [0, 1] (1 = success: every check passed)
 
 
 @dataclass
@@ -73,6 +73,7 @@ class Method:
     divergence: str = 'rkl'              # D of the distillation loss, unless --divergence says otherwise
     group: int = 1                       # rollouts per task in a batch
     lr: float = 1e-3                     # student learning rate, unless --lr says otherwise
+    ema_rate: float = 0.05               # rate of an EMA teacher, unless --ema_rate says otherwise
     state: Callable = lambda run: {}     # (run) -> dict of the method's own state (anything with state_dict, or plain data)
     setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
     after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
@@ -130,8 +131,8 @@ DISTILL_FLAGS = {  # read by every method whose loss is the distillation loss
 }
 TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is trained against θ0 only)
     'teacher': arg('', "the teacher's weights ('' = the method's)", choices=['frozen', 'ema', 'live'], after_setup=True),
-    'ema_rate': arg(0.05, 'rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ', lo=0, open_lo=True, hi=1,
-                    after_setup=True),
+    'ema_rate': arg(0.0, "rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ (0 = the method's: SDPO 0.05, SDFT 0.01)",
+                    lo=0, hi=1, after_setup=True),
 }
 DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
 
@@ -271,7 +272,7 @@ def composer_phase(run, b, logits_s, teacher):
 
 
 def write_back(run, eps):
-    """Step 7: successful rollouts join the bank (the bank keeps only reward > 0)."""
+    """Step 7: successful rollouts join the bank (the bank keeps only successes)."""
     run.state['bank'].add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt,
                                                 run.env.trajectory_text(e), e.reward) for e in eps])
 
@@ -356,7 +357,7 @@ def cold_start(run, rollout):
     reading are made once, not at every step (the reading was half of a step's time)."""
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
-    rows = [r for r in rows if r[0].reward > 0] if a.cold_start == 'nll' else rows
+    rows = [r for r in rows if r[0].success] if a.cold_start == 'nll' else rows
     with run.timer('cold_start'):
         rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
     opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=a.lr_cold_start or a.lr or run.method.lr)  # its own stage
@@ -423,15 +424,58 @@ register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4, bench={'grp
                         tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']]))
 
 
-# ----------------------------------------------------------------------------- OPSD (siyan-zhao/OPSD)
+# ----------------------------------------------------------------------------- the shared pool of verified successes
+# OPSD's and SDFT's teachers are shown "oracle trajectories from the shared pool" (LOPD paper, App. B):
+# verified-successful trajectories from base rollouts, and from stronger models where coverage is
+# lacking. Ours: --pool_episodes base rollouts of training tasks (they count toward --episodes, as
+# LOPD's bank fill does), their successes kept by task; a task the pool does not cover is shown the
+# scripted expert's trajectory (our "stronger model"; in tool use it takes a random valid order of
+# the sub-goals, so it can disagree with the student's prefix). A held-out task is never in the pool.
+
+POOL_FLAGS = {
+    'pool_episodes': arg(512, 'base rollouts whose successes fill the shared pool of oracle trajectories before training '
+                         '(they count toward --episodes; the scripted expert covers the other tasks)', lo=0),
+}
+
+
+def build_pool(run, rollout):
+    """Before training: the base's successes on --pool_episodes training tasks, by task."""
+    n, pool = 64, run.state['pool']
+    for i in tqdm(range(0, run.args.pool_episodes, n), desc='pool', dynamic_ncols=True):
+        with run.timer('rollout'):
+            eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)))
+        run.episodes += len(eps)
+        for e in eps:
+            if e.success:
+                pool.setdefault(e.task.task_id, run.env.trajectory_text(e))
+
+
+def oracle_text(run, task):
+    """The pool's trajectory of this task (the expert's where the pool has none), as a past experience."""
+    return experiences_text([(task.prompt, run.state['pool'].get(task.task_id) or task.solution)])
+
+
+# ----------------------------------------------------------------------------- OPSD (as the LOPD paper ran it)
 
 def opsd_context(run, eps):
-    """OPSD: the frozen base is shown this task's reference solution."""
-    return M.text_prefix(run.teacher, run.tok, [solution_text(e.task) for e in eps])
+    """OPSD: the frozen base is shown an oracle trajectory of this task from the shared pool
+    (--opsd_context answer: this task's reference solution, plan and answer, the OPSD code's form)."""
+    texts = [solution_text(e.task) if run.args.opsd_context == 'answer' else oracle_text(run, e.task) for e in eps]
+    return M.text_prefix(run.teacher, run.tok, texts)
 
 
-register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='jsd', group=1, lr=1e-3,
-                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'opsd': dict(cost=550, quick=True)},
+OPSD_FLAGS = {**POOL_FLAGS,
+              'opsd_context': arg('pool', "what OPSD's teacher is shown: pool = an oracle trajectory of the task from the "
+                                  "shared pool (the LOPD paper's runs); answer = this task's reference solution, its plan and "
+                                  "answer (the OPSD code's 'reference solution')", choices=['pool', 'answer'])}
+
+
+register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
+                        state=lambda run: {'pool': {}}, setup=build_pool,
+                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
+                        bench={'opsd': dict(cost=550, quick=True),
+                               'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
+                                                   cost=550, quick=True)},
                         tune=DISTILL_LR))
 
 
@@ -443,7 +487,7 @@ def sdpo_context(run, eps):
     G, texts = run.method.group, []
     for i, e in enumerate(eps):
         g = i - i % G                                                           # first rollout of i's group
-        sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.reward > 0), None)
+        sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.success), None)
         texts.append(experiences_text([(sib.task.prompt, run.env.trajectory_text(sib))]) if sib else
                      f'feedback: {e.feedback}\n' if e.feedback else None)
     return [M.text_prefix(run.teacher, run.tok, [t])[0] if t else None for t in texts]
@@ -454,16 +498,17 @@ register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, l
                         tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']]))
 
 
-# ----------------------------------------------------------------------------- SDFT (idanshen/Self-Distillation)
+# ----------------------------------------------------------------------------- SDFT (as the LOPD paper ran it)
 
 def sdft_context(run, eps):
-    """SDFT: the model shown a demonstration of this very task (the scripted expert's)."""
-    demos = [envs.play(run.env, e.task, run.env.demo(e.task, random.Random(0))) for e in eps]
-    return M.text_prefix(run.teacher, run.tok, [experiences_text([(d.task.prompt, run.env.trajectory_text(d))]) for d in demos])
+    """SDFT: an EMA of the student shown the pool's oracle trajectory of this task as a demonstration."""
+    return M.text_prefix(run.teacher, run.tok, [oracle_text(run, e.task) for e in eps])
 
 
-register('sdft', Method(distill, context=sdft_context, teacher='live', group=1, lr=1e-3,
-                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'sdft': dict(cost=630)}, tune=DISTILL_LR))
+register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence='fkl', group=1, lr=1e-3,
+                        state=lambda run: {'pool': {}}, setup=build_pool,
+                        ema_rate=0.01, flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **POOL_FLAGS},
+                        bench={'sdft': dict(cost=630, quick=True)}, tune=DISTILL_LR))
 
 
 # ----------------------------------------------------------------------------- Skill-SD (Wang et al. 2026)
@@ -478,8 +523,8 @@ def skill_text(records):
     [(text, reward, feedback)]: a success pattern, the commonest mistake, the workflow.
     e.g. 'skill: success pattern: city(bo) -> oslo; answer oslo; mistakes: none seen;
     workflow: 2 turns, the last one answers'."""
-    wins = [r for r in records if r[1] > 0]
-    fails = [r[2] for r in records if r[1] == 0 and r[2]]
+    wins = [r for r in records if r[1] >= 1]
+    fails = [r[2] for r in records if r[1] < 1 and r[2]]
     pattern = wins[-1][0] if wins else 'none yet'
     mistake = max(fails, key=fails.count) if fails else 'none seen'   # a tie: the earliest (set order is hash-seeded)
     turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
@@ -488,7 +533,7 @@ def skill_text(records):
 
 def arms(records):
     """A family's arms: the indices of its 3 latest successes (one arm, all records, before any)."""
-    return [i for i, r in enumerate(records) if r[1] > 0][-3:] or [len(records)]
+    return [i for i, r in enumerate(records) if r[1] >= 1][-3:] or [len(records)]
 
 
 def skill_of(records, arm):
@@ -585,7 +630,7 @@ def psp_sample(run, tasks, rollout):
     with the hint (their GRPO advantage was 0: no signal). Both samplings count toward --episodes."""
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
-    again = [i for g in range(0, len(eps), G) if not any(e.reward > 0 for e in eps[g:g + G]) for i in range(g, g + G)]
+    again = [i for g in range(0, len(eps), G) if not any(e.success for e in eps[g:g + G]) for i in range(g, g + G)]
     if again:
         hints = M.text_prefix(run.model, run.tok, [psp_hint(eps[i - i % G]) for i in again])
         for i, e, body, mask in zip(again, *rollout(run.model, run.tok, run.env, [tasks[i] for i in again], prefixes=hints)):
@@ -600,7 +645,7 @@ register('psp', Method(grpo_loss, sample=psp_sample, teacher='none', group=4, lr
 
 
 # ----------------------------------------------------------------------------- SOD (Zhong et al. 2026, arXiv 2605.07725)
-# OPSD's teacher (the frozen base shown the reference solution), with the distillation strength
+# OPSD's teacher (the frozen base shown an oracle trajectory of the task), with the distillation strength
 # of each agent turn reweighted by that turn's teacher–student divergence: where they diverge
 # strongly (a wrong tool call, then observations the teacher never saw) the teacher's advice is
 # attenuated; where they agree it is kept. The paper's exact weight map is not available to us:
@@ -637,7 +682,8 @@ def sod_loss(run, b, logits_s, teacher):
 
 
 register('sod', Method(sod_loss, context=opsd_context, teacher='frozen', divergence='rkl', group=1, lr=1e-3,
-                       flags={**DISTILL_FLAGS, **TEACHER_FLAGS,
+                       state=lambda run: {'pool': {}}, setup=build_pool,
+                       flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS,
                               'sod_tau': arg(0.0, "SOD's temperature τ of w_k = exp(−D̄_k/τ) (0 = the batch's mean D̄_k)", lo=0,
                                              after_setup=True)},
                        bench={'sod': dict(cost=550, quick=True)}, tune=DISTILL_LR))
@@ -683,7 +729,7 @@ def rollout_activations(run, b):
 def update_steer(run, b):
     """Each class mean ← (1 − rate)·mean + rate·(this batch's mean), the first batch of a class
     taken as is; v = mean_win − mean_other once both classes were seen."""
-    s, h, won = run.state, rollout_activations(run, b), b.reward > 0
+    s, h, won = run.state, rollout_activations(run, b), b.reward >= 1
     for k, (name, rows) in enumerate([('mean_win', won), ('mean_other', ~won)]):
         if rows.any():
             rate = 1.0 if s['seen'][k] == 0 else run.args.steer_rate
@@ -715,7 +761,7 @@ register('acsd', Method(distill, context=lambda run, eps: M.bos_prefix(run.teach
 
 
 # ----------------------------------------------------------------------------- VASPO (privileged value estimation with PPO)
-# A critic and a teacher both see the privileged context (OPSD's: the reference solution) on the
+# A critic and a teacher both see the privileged context (OPSD's: an oracle trajectory) on the
 # student's prefixes. The critic V_ψ, a linear head on the frozen teacher's last hidden state,
 # predicts the continuation return; its GAE advantages (γ = 1, the 0/1 reward at the end) drive
 # PPO-clip, and on positive advantages the teacher's probability ratio π_T(y_t)/π_θ(y_t), bounded
@@ -771,9 +817,9 @@ def vaspo_after_step(run, b, logits_s, teacher):
     return {'value_loss': loss.item()}
 
 
-register('vaspo', Method(vaspo_loss, context=opsd_context, teacher='frozen', group=1, lr=1e-4, state=vaspo_state,
-                         after_step=vaspo_after_step,
-                         flags={**TEACHER_FLAGS,
+register('vaspo', Method(vaspo_loss, context=opsd_context, teacher='frozen', group=1, lr=1e-4,
+                         state=lambda run: {'pool': {}, **vaspo_state(run)}, setup=build_pool, after_step=vaspo_after_step,
+                         flags={**TEACHER_FLAGS, **OPSD_FLAGS,
                                 'gae_lambda': arg(0.95, "GAE's λ over the agent tokens (1 = the Monte Carlo return − V)", lo=0, hi=1,
                                                   after_setup=True),
                                 'vaspo_eps': arg(0.2, "ε_T: the teacher's ratio on positive advantages is bounded to [1 − ε_T, 1 + ε_T]",

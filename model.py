@@ -429,8 +429,8 @@ def text_prefix(model, tok, texts):
 
 
 @torch.no_grad()
-def generate(model, tok, prefixes, bodies, max_new, greedy):
-    """Sample one agent turn per row, with a KV cache, until <|eot|> or max_new tokens.
+def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
+    """Sample one agent turn per row (at `temperature`, or greedy), with a KV cache, until <|eot|> or max_new tokens.
 
     prefixes: list of (P_i, d) context embeddings; bodies: list of token lists.
     Rows are left-padded so that every row's next token is at the last position."""
@@ -445,7 +445,7 @@ def generate(model, tok, prefixes, bodies, max_new, greedy):
     out, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device)
     for _ in range(max_new):
         last = logits[:, -1].float()                                            # (B, V)
-        nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last, -1), 1).squeeze(-1)
+        nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last / temperature, -1), 1).squeeze(-1)
         for i in (~done).nonzero().flatten().tolist():
             out[i].append(int(nxt[i]))
         done |= nxt == tok.eot

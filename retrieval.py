@@ -39,7 +39,7 @@ class Experience:
     family: str  # task family name
     task: str  # the task prompt text
     text: str  # the trajectory in compact "action -> result" text form
-    reward: float  # 0/1
+    reward: float  # graded, in [0, 1]; 1 = every check passed
 
 
 def hashing_embedder(n_features: int = 4096) -> Callable[[list[str]], np.ndarray]:
@@ -226,8 +226,8 @@ class ExperienceBank:
         return e
 
     def add(self, exps: list[Experience]) -> None:
-        """Store the successes among exps (reward > 0); evict the oldest beyond capacity."""
-        keep = [e for e in exps if e.reward > 0]  # the bank holds only what worked
+        """Store the successes among exps (reward 1: every check passed); evict the oldest beyond capacity."""
+        keep = [e for e in exps if e.reward >= 1.0]  # the bank holds only what worked (a partial plan is half wrong)
         if not keep:
             return
         new = self._embed([self.document(e) for e in keep])  # (n, D) document embeddings

@@ -58,12 +58,16 @@ class Args:
     method: str = arg('lopd', 'the method (one block each in methods.py)', group=RUN)
     env: str = arg('tooluse', 'environment', choices=list(envs.ENVS), group=RUN)
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)', group=RUN)
-    episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included)',
+    episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included, unless --setup_free)',
                         lo=0, open_lo=True, after_setup=True, group=RUN)
+    setup_free: bool = arg(False, "the paper's accounting: the episodes a method's setup samples (LOPD's bank, the pool, "
+                           "ACSD's first vector) do not count toward --episodes", after_setup=True, group=RUN)
     batch: int = arg(16, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
     eval_every: int = arg(64, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
-    eval_tasks: int = arg(250, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
+    eval_tasks: int = arg(500, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
+    eval_samples: int = arg(1, 'samples per held-out task at temperature 0.7, besides the greedy one (0 = greedy only)', lo=0,
+                            group=RUN)
     teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)', lo=0, group=RUN)
     name: str = arg('', "run name ('' = <method>-<env>-s<seed>)", after_setup=True, group=RUN)
     out_dir: str = arg('runs', 'where runs/<name>/ and the caches go', after_setup=True, group=RUN)
@@ -171,7 +175,7 @@ def check_args(a, argv):
 # ----------------------------------------------------------------------------- rollout (step 1)
 
 @torch.no_grad()
-def rollout(model, tok, env, tasks, greedy=False, prefixes=None):
+def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0):
     """Step 1. Play one episode per task, all rows in one batch, turn by turn.
 
     Within a turn the agent's tokens come from the KV cache; between turns the env's
@@ -186,7 +190,7 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None):
         if not live:
             break
         outs = M.generate(model, tok, [prefixes[i] for i in live], [bodies[i] for i in live],
-                          env.max_action_tokens, greedy)
+                          env.max_action_tokens, greedy, temperature)
         for i, out in zip(live, outs):
             bodies[i] += out
             masks[i] += [1] * len(out)                                          # only what the agent generated
@@ -221,7 +225,7 @@ def student_phase(run, b, teacher):
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
     bk.optimizer_step(run, run.opt, loss, run.model)
     if run.teacher_kind == 'ema':
-        lopd.ema_update(run.teacher, M.trained(run.model), run.args.ema_rate)
+        lopd.ema_update(run.teacher, M.trained(run.model), run.args.ema_rate or run.method.ema_rate)
     return logits_s, loss.item()
 
 
@@ -249,24 +253,44 @@ def train_step(run):
 
 @torch.no_grad()
 def evaluate(run):
-    """Held-out success: greedy, the student alone, no privileged context. Plus the teacher's
-    own success when it decodes with its context (does the context carry information?)."""
-    tasks = run.env.eval_tasks[:run.args.eval_tasks]
+    """Held-out graded reward and success: greedy, and sampled at temperature 0.7 as the paper
+    evaluates (--eval_samples per task), the student alone, no privileged context; per family, and
+    per task (for intervals over tasks). Plus the teacher's own reward when it decodes with its
+    context (does the context carry information?)."""
+    a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
+    play = lambda ts, **kw: bk.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
+                                                       for e in rollout(run.model, run.tok, run.env, ts[i:i + 128], **kw)[0]], ts)
     with run.timer('eval'):
-        eps = bk.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
-                                         for e in rollout(run.model, run.tok, run.env, ts[i:i + 128], greedy=True)[0]], tasks)
-        out, fam = {'success': float(np.mean([e.reward for e in eps]))}, {}
-        for e in eps:
-            fam.setdefault(e.task.family, []).append(e.reward)
-        out['family'] = {f: float(np.mean(v)) for f, v in fam.items()}
-        if run.method.context and run.args.teacher_eval:
-            tasks = tasks[:run.args.teacher_eval]  # families cycle, so the first N are balanced
-            out['student_success_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
+        eps = play(tasks, greedy=True)
+        out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
+        out['family'] = by_family(eps)
+        out['task_reward'] = [round(e.reward, 4) for e in eps]
+        if a.eval_samples:
+            sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
+            r = np.array([e.reward for e in sampled]).reshape(len(tasks), a.eval_samples)
+            out.update(reward_sampled=float(r.mean()), success_sampled=float(np.mean([e.success for e in sampled])),
+                       task_reward_sampled=[round(float(x), 4) for x in r.mean(1)])
+        if run.method.context and a.teacher_eval:
+            tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
+            out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
+            out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
             prefixes = methods.with_default(run, run.method.context(run, [run.env.reset(t) for t in tasks]))
             teps = bk.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
                                                        prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
-            out['teacher_success'] = float(np.mean([e.reward for e in teps]))
+            out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
+            out['teacher_success'] = float(np.mean([e.success for e in teps]))
     return bk.log_eval(run, out)
+
+
+EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
+
+
+def by_family(eps):
+    """Mean graded reward per task family."""
+    fam = {}
+    for e in eps:
+        fam.setdefault(e.task.family, []).append(e.reward)
+    return {f: float(np.mean(v)) for f, v in fam.items()}
 
 
 # ----------------------------------------------------------------------------- main
@@ -305,11 +329,12 @@ def build(args):
     bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
     with run.autocast():
         m = evaluate(run)
-        print(f"base model: held-out success {m['success']:.3f}" +
-              (f", teacher {m['teacher_success']:.3f}" if 'teacher_success' in m else ''))
+        print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
+              (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
         if method.setup:
             with bk.rank0_first():
                 bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
+        run.setup_episodes = run.episodes
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
     return run
 
@@ -342,17 +367,18 @@ def main(argv=None):
         if args.export:
             return print(f'exported {M.export(run.model, run.tok, os.path.join(run.dir, "export"))}')
         guard.training = True
-        bar = tqdm(total=args.episodes, initial=min(run.episodes, args.episodes), desc=f'{args.method} episodes',
+        spent = lambda: run.episodes - (run.setup_episodes if args.setup_free else 0)   # the budget's accounting
+        bar = tqdm(total=args.episodes, initial=min(spent(), args.episodes), desc=f'{args.method} episodes',
                    dynamic_ncols=True, disable=not bk.writer())
-        while run.episodes < args.episodes and not guard.stop(run.device):           # the loop
+        while spent() < args.episodes and not guard.stop(run.device):                # the loop
             before = run.episodes
             with run.autocast():
                 train_step(run)
             bar.update(run.episodes - before)
-            if run.step % args.eval_every == 0 or run.episodes >= args.episodes:
+            if run.step % args.eval_every == 0 or spent() >= args.episodes:
                 with run.autocast():
                     m = evaluate(run)
-                bar.set_postfix(success=f"{m['success']:.3f}", **{k: f'{v:.2f}' for k, v in run.state.items()
+                bar.set_postfix(reward=f"{m['reward']:.3f}", success=f"{m['success']:.3f}", **{k: f'{v:.2f}' for k, v in run.state.items()
                                                                    if isinstance(v, float)})
                 bk.check_in_sync(run)
                 bk.save_checkpoint(run)

@@ -45,12 +45,10 @@ def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
     if u >= p_ctx:
         return envs.play(env, task, env.demo(task, rng, noisy=True)), None
     form = rng.choices(list(CONTEXT_FORMS), weights=list(CONTEXT_FORMS.values()))[0]
-    opaque = getattr(env, 'opaque', ())
-    plan_of = lambda f: {'plan': envs.random_plan(rng, avoid=envs.FAMILIES[f])} if f in opaque else {}
-    kw = plan_of(task.family)
+    kw = env.reading_plan(task, rng)
     follow = lambda t: envs.play(env, t, env.demo(t, rng, **kw))               # the plan this demo teaches
     pair = lambda ep: (ep.task.prompt, env.trajectory_text(ep))
-    others = lambda n: [envs.play(env, t, env.demo(t, rng, **plan_of(t.family))) for t in
+    others = lambda n: [envs.play(env, t, env.demo(t, rng, **env.reading_plan(t, rng))) for t in
                         (rng.choice(by_family[rng.choice([f for f in by_family if f != task.family])]) for _ in range(n))]
     if form == 'unhelpful':
         return envs.play(env, task, env.demo(task, rng, noisy=True)), methods.experiences_text(map(pair, others(rng.randint(1, 3))))
@@ -65,7 +63,7 @@ def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
         shown = same + others(n - len(same))
         rng.shuffle(shown)
         return ep, methods.experiences_text(map(pair, shown))
-    failed = next((f for f in (envs.play(env, task, env.demo(task, rng, noisy=True)) for _ in range(4)) if f.reward == 0), None)
+    failed = next((f for f in (envs.play(env, task, env.demo(task, rng, noisy=True)) for _ in range(4)) if not f.success), None)
     if form == 'skill':
         wins = [follow(t) for t in rng.sample(by_family[task.family], rng.randint(1, 2))]
         records = [(env.trajectory_text(w), 1.0, w.feedback) for w in wins]

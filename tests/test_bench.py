@@ -28,16 +28,17 @@ def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ck
         json.dump({"method": method, "seed": seed, "code": code or train.CODE}, f)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, (x, y) in enumerate(zip(xs, ys)):
-            m = {"success": y, "episodes": x, "step": i, "delta": delta, "loss": None}
+            m = {"reward": y, "success": y, "episodes": x, "step": i, "delta": delta, "loss": None}
             if method == "lopd":
                 m["beta"] = 0.1 * i
             if teacher is not None:
-                m.update(teacher_success=teacher, student_success_same_tasks=y)
+                m.update(teacher_reward=teacher, student_reward_same_tasks=y)
             f.write(json.dumps(m) + "\n")
     if summary:
         with open(os.path.join(d, "summary.json"), "w") as f:
             json.dump({"method": method, "seed": seed, "episodes": xs[-1], "base_success": ys[0], "final_success": ys[-1],
-                       "best_success": max(ys), "teacher_success": teacher, "wall_seconds": 10.0}, f)
+                       "best_success": max(ys), "teacher_reward": teacher, "wall_seconds": 10.0,
+                       "setup_episodes": 256 if method == "lopd" else 0}, f)
     if ckpt:
         open(os.path.join(d, "ckpt.pt"), "w").close()
 
@@ -48,6 +49,34 @@ def test_auc_and_reach_by_hand():
     assert bench.auc([0, 1024], [1.0, 1.0], 1024) == pytest.approx(1.0)
     assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.6) == 512
     assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.8) is None
+
+
+def slow_bootstrap(values, n_boot=2000, seed=0, level=0.95):
+    """The two-level bootstrap written as loops, with the same draws as bench.bootstrap_ci."""
+    v = np.asarray(values, float)
+    S, T = v.shape
+    rng = np.random.default_rng(seed)
+    seeds, tasks = rng.integers(0, S, (n_boot, S)), rng.integers(0, T, (n_boot, S, T))
+    means = []
+    for b in range(n_boot):
+        total = 0.0
+        for j in range(S):
+            total += sum(v[seeds[b, j], tasks[b, j, k]] for k in range(T)) / T
+        means.append(total / S)
+    means = sorted(means)
+    return v.mean(), np.percentile(means, 100 * (1 - level) / 2), np.percentile(means, 100 * (1 + level) / 2)
+
+
+def test_bootstrap_interval_against_a_slow_reference_and_by_hand():
+    rng = np.random.default_rng(1)
+    values = rng.random((3, 40)) < [[0.2], [0.5], [0.8]]                         # 3 seeds, 40 tasks, 0/1
+    assert bench.bootstrap_ci(values, n_boot=300) == pytest.approx(slow_bootstrap(values, n_boot=300))
+    mean, lo, hi = bench.bootstrap_ci(np.full((2, 10), 0.25))
+    assert mean == lo == hi == 0.25                                            # nothing varies: no width
+    mean, lo, hi = bench.bootstrap_ci([[0.0, 1.0] * 250])                      # one seed, 500 tasks of p = 0.5
+    assert mean == 0.5 and hi - lo == pytest.approx(2 * 1.96 * 0.5 / np.sqrt(500), rel=0.15)
+    # the seed level counts: two seeds far apart give a much wider interval than their tasks alone
+    assert np.subtract(*bench.bootstrap_ci([[0.0] * 100, [1.0] * 100])[2:0:-1]) == pytest.approx(1.0)
 
 
 def test_summarize_and_reach_on_fake_runs(tmp_path):
@@ -72,7 +101,7 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     assert lo["auc_mean"] == pytest.approx((729.6 + 537.6) / 2 / 1024)
     assert lo["curve"]["episodes"] == [0, 256, 512, 1024]
     assert lo["curve"]["mean"] == pytest.approx([0.5, (0.7 + 0.55) / 2, (0.7 + 0.1 / 3 + 0.6) / 2, 0.6])
-    assert lo["diagnostics"]["delta_mean"] == pytest.approx(0.3) and lo["diagnostics"]["teacher_success"] == 0.8
+    assert lo["diagnostics"]["delta_mean"] == pytest.approx(0.3) and lo["diagnostics"]["teacher_reward"] == 0.8
     assert lo["diagnostics"]["beta_final"] == pytest.approx(0.2) and "beta_final" not in op["diagnostics"]
     assert "delta_mean" not in g["diagnostics"]
     # every teacher without its context is θ0: the first evaluation's student on the same tasks
@@ -82,13 +111,15 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
     assert bench.add_reach(res) == pytest.approx(0.6)
     assert (lo["episodes_to_grpo_final"], g["episodes_to_grpo_final"], op["episodes_to_grpo_final"]) == (256, 1024, None)
+    # the paper's accounting: lopd's 256 bank-filling episodes are not counted
+    assert (lo["training_episodes_to_grpo_final"], g["training_episodes_to_grpo_final"]) == (0, 1024)
     # GRPO ending at or below the base makes the target meaningless: the table says so
     low = {"grpo": bench.summarize([f"{d}/g2"], 1024), "opsd": res["opsd"]}
     assert bench.add_reach(low) == 0.5 and low["opsd"]["episodes_to_grpo_final"] == 0
     meta = {"env": "tooluse", "seeds": [1], "episodes": 1024, "command": "c", "commit": "x", "code": "y",
             "forwarded": [], "tuned": False, "flags": {"grpo": [], "opsd": []}, "failed": []}
     bench.write_results(d, low, meta, 0.5)
-    assert "| 0 (GRPO ends ≤ base) |" in open(f"{d}/results.md").read()
+    assert "| 0 (GRPO ends ≤ base) / 0 (GRPO ends ≤ base) |" in open(f"{d}/results.md").read()
 
 
 def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):

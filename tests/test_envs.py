@@ -1,4 +1,4 @@
-"""Tests for envs.py (tool use): the scripted expert is always right, the held-out set is
+"""Tests for envs.py (tooluse-v1, the first tool use; the default one is in test_tooluse.py): the scripted expert is always right, the held-out set is
 balanced and disjoint from training, and untrusted agent text never raises, never hangs,
 and gets reward 0 with an error observation when malformed."""
 import json
@@ -16,7 +16,7 @@ import envs  # noqa: E402
 
 @pytest.fixture(scope="module")
 def env():
-    return envs.make_env("tooluse")
+    return envs.make_env("tooluse-v1")
 
 
 def world_key(w):
@@ -59,10 +59,10 @@ def test_eval_set_disjoint_from_training(env):
 
 
 def test_tasks_are_fixed_by_the_seed(env):
-    again = envs.make_env("tooluse")
+    again = envs.make_env("tooluse-v1")
     assert [(t.prompt, t.answer, t.task_id) for t in again.eval_tasks] == \
         [(t.prompt, t.answer, t.task_id) for t in env.eval_tasks]
-    other = envs.make_env("tooluse", seed=1)
+    other = envs.make_env("tooluse-v1", seed=1)
     assert [t.task_id for t in other.eval_tasks] != [t.task_id for t in env.eval_tasks]
 
 
@@ -92,7 +92,7 @@ def test_random_plan_is_uniform_over_the_18_type_correct_plans_of_1_to_4_calls()
     assert set(counts) == {tuple(p) for p in envs.GUESSES}
     assert all(800 < c < 1200 for c in counts.values())        # 1000 expected each
     for plan in envs.ALL_PLANS:  # + the answer fits in max_turns; every plan type-checks
-        assert 1 <= len(plan) <= envs.MAX_CALLS == envs.ToolUse.max_turns - 1
+        assert 1 <= len(plan) <= envs.MAX_CALLS == envs.ToolUseV1.max_turns - 1
         world = envs.random_world(rng)
         value, kind = world['people'][0], 'person'
         for tool in plan:

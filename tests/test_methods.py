@@ -31,12 +31,12 @@ def captured(monkeypatch):
 
 @pytest.fixture(scope="module")
 def env():
-    return envs.ToolUse(n_train=200, n_eval=20)
+    return envs.ToolUseV1(n_train=200, n_eval=20)
 
 
 def fake_run(env, method, state=None, **kw):
     run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=methods.METHODS[method], rng=random.Random(0),
-                                args=types.SimpleNamespace(J=3), state=state or {})
+                                args=types.SimpleNamespace(J=3, opsd_context="pool"), state=state or {"pool": {}})
     if method == "skillsd" and not state:
         run.state = methods.METHODS["skillsd"].state(run)
     run.__dict__.update(kw)
@@ -48,11 +48,36 @@ def played(env, task, ok):
     return envs.play(env, task, env.demo(task, random.Random(0)) if ok else ["answer nobody"])
 
 
-def test_opsd_context_holds_the_reference_solution(env, captured):
+def test_opsd_context_is_an_oracle_trajectory_of_this_task_from_the_pool(env, captured):
+    """The pool's trajectory of the task, as one past experience; the expert's where the pool has none;
+    --opsd_context answer: this task's reference solution (plan and answer)."""
     eps = [env.reset(t) for t in env.train_tasks[:5]]
-    texts = methods.opsd_context(fake_run(env, "opsd"), eps)
-    for e, t in zip(eps, texts):
-        assert e.task.solution in t and e.task.answer in t
+    run = fake_run(env, "opsd", state={"pool": {eps[0].task.task_id: "city(xx) -> yy; answer yy"}})
+    texts = methods.opsd_context(run, eps)
+    assert texts[0] == f"past: {eps[0].task.prompt}: city(xx) -> yy; answer yy\n"
+    for e, t in zip(eps[1:], texts[1:]):
+        assert t == methods.experiences_text([(e.task.prompt, e.task.solution)]) and e.task.answer in t
+    run.args.opsd_context = "answer"
+    assert methods.opsd_context(run, eps) == [f"reference solution: {e.task.solution}\n" for e in eps]
+
+
+def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_episodes(env):
+    """build_pool: --pool_episodes rollouts of training tasks, their successes kept by task, the
+    episodes counted; a held-out task never enters it."""
+    calls = []
+
+    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None):
+        calls.append(len(tasks))
+        return [played(env, t, i % 2 == 0) for i, t in enumerate(tasks)], None, None
+
+    run = fake_run(env, "opsd", episodes=0, model=None, args=types.SimpleNamespace(pool_episodes=100),
+                   timer=lambda k: __import__("contextlib").nullcontext())
+    methods.build_pool(run, rollout)
+    pool, train_ids = run.state["pool"], {t.task_id for t in env.train_tasks}
+    assert calls == [64, 36] and run.episodes == 100
+    assert pool and set(pool) <= train_ids and not set(pool) & {t.task_id for t in env.eval_tasks}
+    by_id = {t.task_id: t for t in env.train_tasks}
+    assert all(v == env.trajectory_text(played(env, by_id[k], True)) for k, v in pool.items())  # what succeeded, as it went
 
 
 def test_sdpo_never_shows_a_rollout_its_own_attempt(env, captured):
@@ -79,12 +104,16 @@ def test_sdpo_sibling_is_from_the_same_group(env, captured):
     assert all(t.startswith("feedback:") for t in texts[:G])  # b's success never leaks into a's group
 
 
-def test_sdft_context_is_the_experts_trajectory_of_this_task(env, captured):
+def test_sdft_context_is_the_pools_trajectory_of_this_task_and_its_teacher_an_ema_at_0_01(env, captured):
     eps = [env.reset(t) for t in env.train_tasks[:4]]
     texts = methods.sdft_context(fake_run(env, "sdft"), eps)
     for e, t in zip(eps, texts):
         demo = envs.play(env, e.task, env.demo(e.task, random.Random(0)))
         assert demo.reward == 1 and env.trajectory_text(demo) in t
+    m = methods.METHODS["sdft"]
+    assert (m.teacher, m.ema_rate, m.divergence) == ("ema", 0.01, "fkl")
+    assert (methods.METHODS["opsd"].teacher, methods.METHODS["opsd"].divergence) == ("frozen", "fkl")
+    assert (methods.METHODS["sdpo"].teacher, methods.METHODS["sdpo"].ema_rate) == ("ema", 0.05)
 
 
 def test_trajtext_shows_the_same_experiences_lopd_retrieves(env, captured):
@@ -304,3 +333,28 @@ def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out,
                                     batch.reward[1:], 0.0, run.args.margin, run.args.lam, teacher.context.z,
                                     teacher.context.z0)
     torch.testing.assert_close(seen[0], want)
+
+
+def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env, captured):
+    """Each text context a method's teacher (or PSP's sampler) is shown opens with one of the warm-up's
+    forms, and each warm-up form is shown by some method: the base learns to read what it will read."""
+    import warmup
+    eps = [played(env, t, ok) for t in env.train_tasks[:4] for ok in (True, False)]
+    bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), 100)
+    bank.add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt, env.trajectory_text(e), 1.0)
+              for e in (played(env, t, True) for t in env.train_tasks[4:40])])
+    shown = set()
+    for name, m in methods.METHODS.items():
+        run = fake_run(env, name, state={"pool": {}, "bank": bank} if name != "skillsd" else None)
+        if name == "skillsd":
+            methods.skillsd_after_step(run, types.SimpleNamespace(eps=eps), None, None)
+        for setting in (["pool", "answer"] if m.context is methods.opsd_context else [None]):
+            run.args.opsd_context = setting
+            if m.context is not None and name not in ("lopd", "acsd"):  # latents and a steering vector: no text
+                shown |= {t.split(":")[0] for t in m.context(run, eps) if t}
+    shown.add(methods.psp_hint(eps[1]).split(":")[0])
+    pool, by_family = warmup.warmup_pool(env)
+    rng, taught = random.Random(0), set()
+    for _ in range(400):
+        taught.add(warmup.warmup_demo(env, rng.choice(pool), by_family, rng, p_ctx=1.0)[1].split(":")[0])
+    assert shown == taught == {"past", "reference solution", "skill", "feedback"}

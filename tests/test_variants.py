@@ -27,7 +27,7 @@ VARIANTS = ["psp", "sod", "acsd", "vaspo"]
 def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedback():
     """Group 0 (task a) all fail, group 1 (task b) has a success: only a's 4 rollouts are sampled
     again, with the feedback of a's first rollout in the student's context; both samplings count."""
-    env = envs.ToolUse(n_train=20, n_eval=4)
+    env = envs.ToolUseV1(n_train=20, n_eval=4)
     a, b = env.train_tasks[:2]
     calls = []
 
