@@ -1,7 +1,7 @@
 """Compare every method on one environment: several seeds, one base, one episode budget.
 
-    python bench.py --env tooluse            # 9 entries x seeds 1,2,3 -> runs/compare-tooluse/results.md
-    python bench.py --env tooluse --quick    # 5 entries x seeds 1,2 at 1024 episodes -> compare-tooluse-quick/
+    python bench.py --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
+    python bench.py --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
     python bench.py --env tooluse --tune     # 3 settings per method on seed 0 -> compare-tooluse/tuning.json
 
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
@@ -49,9 +49,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 _BENCH = sorted(((e, name, b) for name, m in methods.METHODS.items() for e, b in m.bench.items()),
                 key=lambda x: x[0] not in methods.METHODS)
 ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
-# --quick: ~10 runs of 1024 episodes, evaluated every 256 episodes (at the default batch of 16)
+# --quick: the quick entries × 3 seeds, 1024 episodes, evaluated every 256 episodes (at the default batch of 16) on 500 tasks
 QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
-QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '100', '--eval_every', '16']
+QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
 # --tune: the same number of settings for every method (methods.py, Method.tune), the default
 # first (a tie keeps it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
 TUNE = {name: m.tune for name, m in methods.METHODS.items() if len(m.tune) > 1}
@@ -362,6 +362,11 @@ def ci(r, k):
     return '—' if not v else f'{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]'
 
 
+def final(r):
+    """The final reward with its interval, or mean ± std over seeds for runs that kept no per-task values."""
+    return ci(r, 'reward') if r.get('ci', {}).get('reward') else f"{r['final_mean']:.3f} ± {r['final_std']:.3f}"
+
+
 def write_results(cmp_dir, results, meta, target):
     results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
     with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
@@ -375,7 +380,7 @@ def write_results(cmp_dir, results, meta, target):
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
           f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
-          f"bootstrap interval over tasks and seeds. GRPO's final mean reward (the target of \"episodes to GRPO\"): "
+          f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
           f"{fmt(target)}, reached counting every episode sampled / only the training episodes (the paper's: a bank or "
           f"pool built before training is not counted). AUC = area under reward vs episodes / budget. wall s = each run's "
           f"own seconds; runs that share one seed's method setup (LOPD's cold start) share it: the first builds it.", '',
@@ -385,7 +390,8 @@ def write_results(cmp_dir, results, meta, target):
     for e, r in results.items():
         flags = f"`{' '.join(meta['flags'][e])}`"
         md.append(f'| {e} | {flags} | 0 |' + ' — |' * 9 if not r else
-                  f"| {e} | {flags} | {len(r['final'])} | {ci(r, 'reward')} | {ci(r, 'success')} | {ci(r, 'reward_sampled')} | "
+                  f"| {e} | {flags} | {len(r['final'])} | {final(r)} | "
+                  f"{ci(r, 'success')} | {ci(r, 'reward_sampled')} | "
                   f"{r['auc_mean']:.3f} | {reach(r, 'episodes_to_grpo_final')} / {reach(r, 'training_episodes_to_grpo_final')} | "
                   f"{fmt(r['base_mean'])} | {fmt(r['base_success_mean'])} | {fmt(r['teacher_reward'])} | {fmt(r['wall_seconds'], '.0f')} |")
     md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means; teacher and student '
@@ -500,7 +506,7 @@ def pi_utility(run, eps, bodies, masks, ctx, rows=50):
         logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
         d = lopd.divergence(logits_s, logits_t, 'rkl')
         per += ((d * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
-    kept = [(k, e.reward > 0) for k, e, p in zip(per, eps, ctx) if p is not None]
+    kept = [(k, e.success) for k, e, p in zip(per, eps, ctx) if p is not None]
     mean = lambda won: float(np.mean([k for k, w in kept if w == won])) if any(w == won for _, w in kept) else None
     return {'kl_success': mean(True), 'kl_failure': mean(False)}
 
@@ -570,7 +576,8 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     fams = sorted({t.family for t in tasks})
     by_family = lambda r: {f: float(np.mean([x for x, t in zip(r, tasks) if t.family == f])) for f in fams}
     table = {'student': {'success': s_all, 'opaque': s_op, 'by_family': by_family(student)}}
-    md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update.',
+    md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update; '
+          'held-out graded reward (0/1 success where the reward is 0/1).',
           f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
           '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque | '
           'KL, successes | KL, failures |',
@@ -596,7 +603,8 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
 
 
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
-GAP_EXTRA = {'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
+GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  # this task's plan and answer
+             'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
              'lopd-nll-stored': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_sample', 'stored'],  # ... and its sampling
              'lopd-nll-reader': ['--method', 'lopd', '--cold_start', 'nll', '--reader', 'trained'],
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
@@ -606,7 +614,7 @@ GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teach
               'trajtext-control: the same other-family experiences shown as text; '
               'lopd (default cold start): distils the teacher reading the experiences as text into it reading the latents; lopd-nll: the paper\'s cold start '
               '(NLL of the successes given their latents); -stored: its rollouts drawn as stored, not family-balanced; -reader: a trainable reader; '
-              'lopd-self: retrieval may return the task itself; -expert: the bank filled with the '
+              'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; -expert: the bank filled with the '
               'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
 
 
@@ -687,9 +695,9 @@ def parse(argv):
     p.add_argument('--env', default='tooluse', help='environment (train.py --env)')
     p.add_argument('--methods', default='', help=f"comma-separated entries of {', '.join(ENTRIES)} "
                    f"(default: all; --quick: {','.join(QUICK_ENTRIES)})")
-    p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3; --quick: 1,2)')
+    p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3)')
     p.add_argument('--quick', action='store_true',
-                   help=f"seeds 1,2, {' '.join(QUICK_FLAGS)}, 5 entries, in compare-<env>-quick/")
+                   help=f"{' '.join(QUICK_FLAGS)}, {len(QUICK_ENTRIES)} entries, in compare-<env>-quick/")
     p.add_argument('--tune', action='store_true', help='3 settings per method on seed 0 -> tuning.json (used by compares)')
     p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
                    'training, overall and on opaque families -> teacher_gap.md')
@@ -717,7 +725,7 @@ def parse(argv):
         known = [*ENTRIES, *GAP_EXTRA] if o.teacher_gap else ENTRIES  # the report also takes LOPD's variants
         die(f"--methods: {unknown[0]!r} is not one of {', '.join(known)}")
     try:
-        o.seeds = [int(s) for s in (o.seeds or ('1,2' if o.quick else '1,2,3')).split(',')]
+        o.seeds = [int(s) for s in (o.seeds or '1,2,3').split(',')]
     except ValueError:
         die(f'--seeds {o.seeds!r}: expected comma-separated integers')
     if 0 in o.seeds or min(o.seeds) < 0:

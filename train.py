@@ -93,7 +93,7 @@ class Args:
     n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
     bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
                           '(0 = plain bytes)', lo=0, group=MODEL)
-    warmup_steps: int = arg(500, 'supervised warm-up steps on noisy-expert demos', lo=0, group=MODEL)
+    warmup_steps: int = arg(800, 'supervised warm-up steps on noisy-expert demos (tool use: reading a context forms after ~500; codegen: 500)', lo=0, group=MODEL)
     warmup_batch: int = arg(64, 'demos per warm-up step', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
@@ -265,8 +265,10 @@ def evaluate(run):
         out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
         out['family'] = by_family(eps)
         out['task_reward'] = [round(e.reward, 4) for e in eps]
-        if a.eval_samples:
-            sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
+        if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
+            with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
+                torch.manual_seed(10_000 * a.seed + run.step)
+                sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
             r = np.array([e.reward for e in sampled]).reshape(len(tasks), a.eval_samples)
             out.update(reward_sampled=float(r.mean()), success_sampled=float(np.mean([e.success for e in sampled])),
                        task_reward_sampled=[round(float(x), 4) for x in r.mean(1)])

@@ -224,7 +224,7 @@ def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
     res = json.loads((cmp / "results.json").read_text())
     lo = res["entries"]["lopd"]
     assert res["episodes"] == 48 and lo["seeds"] == [1] and 0 <= lo["auc_mean"] <= 1
-    assert "teacher_success" in lo["diagnostics"] and "beta_final" in lo["diagnostics"]
+    assert "teacher_reward" in lo["diagnostics"] and "beta_final" in lo["diagnostics"]
     assert len(lo["curve"]["episodes"]) == len(lo["curve"]["mean"]) >= 2
     assert (cmp / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logs = sorted(os.listdir(cmp / "logs"))

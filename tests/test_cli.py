@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "24", "--teacher_eval", "8"]
-OWN = {"lopd": ["--init_episodes", "16", "--cold_start_steps", "2"]}  # flags only that method reads
+OWN = {"lopd": ["--init_episodes", "16", "--cold_start_steps", "2"], "opsd": ["--pool_episodes", "16"]}  # flags only that method reads
 
 
 def start(args, logs, key):
@@ -54,7 +54,7 @@ BAD = {  # arguments -> words the one error line must contain (more cases below)
 }
 
 
-EPISODES = {"lopd": 48, "grpo": 32, "opsd": 32}  # lopd: 16 bank-filling episodes + 2 steps of 16
+EPISODES = {"lopd": 48, "grpo": 32, "opsd": 48}  # lopd, opsd: 16 bank- or pool-filling episodes + 2 steps of 16
 
 
 @pytest.fixture(scope="session")
@@ -146,7 +146,7 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
     (["--margin", "0.1", "--method", "grpo"], ["--margin", "lopd", "grpo"]),   # a flag of another method
     (["--teacher", "ema"], ["--teacher", "lopd"]),                             # LOPD's teacher is θ0 only
-    (["--ema_rate", "0"], ["--ema_rate", "0"]),
+    (["--ema_rate", "1.5", "--method", "sdpo"], ["--ema_rate", "1.5"]),
     (["--warmup_ctx", "1.5"], ["--warmup_ctx", "1.5"]),
     (["--max_skips", "0"], ["--max_skips"]),
 ])
@@ -206,12 +206,12 @@ def test_smoke_run_writes_the_run_folder(smoke, method):
     ckpt = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)
     assert ckpt["episodes"] == summary["episodes"] and "model" in ckpt
     last = out.strip().splitlines()[-1]
-    assert last.startswith(f"{name}: held-out success") and f"after {summary['episodes']} episodes" in last
+    assert last.startswith(f"{name}: held-out reward") and f"after {summary['episodes']} episodes" in last
     assert str(out_dir / name) in last
     if method != "lopd":
         assert "warm-up: cached" in out  # every method starts from the same cached base
     if method in ("lopd", "opsd"):
-        assert "teacher_success" in metrics[-1]  # --teacher_eval 8
+        assert "teacher_reward" in metrics[-1] and "teacher_success" in metrics[-1]  # --teacher_eval 8
     if method == "lopd":
         assert {"bank", "composer", "composer0", "opt_phi", "beta"} <= set(ckpt["state"])
 
@@ -280,7 +280,8 @@ def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
 
 def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch):
     import envs
-    assert envs.CodeGen.defaults == {"cold_start_steps": 300} and envs.ToolUse.defaults == {}
+    assert envs.CodeGen.defaults == {"cold_start_steps": 300, "warmup_steps": 500} and envs.ToolUse.defaults == {}
+    assert envs.ToolUseV1.defaults == {"warmup_steps": 500}
     plain = train.parse_args([])
     a = train.parse_args(["--env", "codegen"])
     assert a.cold_start_steps == 300 and plain.cold_start_steps == 100

@@ -46,5 +46,5 @@ def test_train_runs_with_model_path(hf_dir, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1].startswith("lopd-tooluse-s0: held-out success")
+    assert r.stdout.strip().splitlines()[-1].startswith("lopd-tooluse-s0: held-out reward")
     assert (tmp_path / "lopd-tooluse-s0" / "summary.json").exists()

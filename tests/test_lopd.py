@@ -262,7 +262,7 @@ def tool_episode(env):
 
 
 def test_encode_episode_mask_is_exactly_the_agent_tokens(tok):
-    env = envs.make_env("tooluse")
+    env = envs.make_env("tooluse-v1")
     ep = tool_episode(env)
     ids, mask = M.encode_episode(tok, ep)
     assert len(ids) == len(mask) and set(mask) == {0, 1}
@@ -289,7 +289,7 @@ def test_encode_episode_mask_is_exactly_the_agent_tokens(tok):
 
 @pytest.mark.parametrize("kind", ["rkl", "jsd"])
 def test_distill_loss_ignores_logits_where_mask_is_zero(tok, kind):
-    env = envs.make_env("tooluse")
+    env = envs.make_env("tooluse-v1")
     ep, ep2 = tool_episode(env), envs.play(env, env.eval_tasks[0], ["answer bo"])
     seqs, masks = zip(*[M.encode_episode(tok, e) for e in (ep, ep2)])
     ids, amask, attn = M.pad_batch(seqs, masks, tok.pad, "cpu")

@@ -51,7 +51,7 @@ def shared_base(runs):
     with filelock.FileLock(os.path.join(runs, "base.lock")):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        args, env = train.Args(**BASE, out_dir=runs), envs.make_env("tooluse")
+        args, env = train.Args(**BASE, out_dir=runs), envs.make_env("tooluse-v1")
         tok, model = warmup.load_model(args, env)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warmup.warmup(args, tok, model, env, "cpu")

@@ -44,7 +44,7 @@ def test_hand_built_world_each_check_and_the_graded_reward(env):
     task = hand_task(["zorb", "mentor"])             # mark bo's manager's manager (flo) and bo's mentor (cy)
     assert task.world["targets"] == ["flo", "cy"] and task.prompt == "zorb and mentor of bo"
     ep = play(env, task, ["manager(bo)", "manager(ed)", "mark(flo)", "mentor(bo)", "mark(cy)"])
-    assert [o for _, o in ep.turns] == ["ed", "flo", "ok", "cy", ""]
+    assert [o for _, o in ep.turns] == ["ed", "flo", "ok, left: mentor", "cy", ""]
     assert ep.done and ep.reward == 1.0 and ep.success and ep.feedback == "correct"
     half = play(env, task, ["mark(flo)", "mark(ed)"])   # one check of two: reward 1/2, not a success
     assert half.done and half.reward == 0.5 and not half.success and half.feedback == "1 of 2 checks passed"
@@ -68,7 +68,7 @@ def test_the_state_the_checks_read(env):
     out of turns is graded on what it marked."""
     task = hand_task(["zorb", "mentor"])
     ep = env.reset(task)
-    assert env.step(ep, "mark(cy)").obs == "ok" and ep.state["marked"] == ["cy"]
+    assert env.step(ep, "mark(cy)").obs == "ok, left: zorb" and ep.state["marked"] == ["cy"]
     assert env.step(ep, "mark(cy)").obs == "error: cy is already marked"
     assert env.step(ep, "mark(red)").obs == "error: no person 'red'"
     assert ep.state["marked"] == ["cy"] and not ep.done

@@ -286,7 +286,7 @@ def metrics(run_dir):
 def test_variant_runs_and_resumes_exactly(out, codegen_out, env, name):
     """3 steps in one go == 1 step, then --resume to the same budget: every metric to the last digit."""
     where = out if env == "tooluse" else codegen_out
-    own = ["--steer_episodes", "16"] if name == "acsd" else []
+    own = ["--steer_episodes", "16"] if name == "acsd" else ["--pool_episodes", "0"] if name in ("sod", "vaspo") else []
     start = 16 if name == "acsd" else 0
     quick = ["--warmup_steps", "10"] if env == "codegen" else []  # any base will do for a resume; this one builds in seconds
     base = [*TINY, *quick, *own, "--method", name, "--env", env, "--out_dir", str(where), "--eval_every", "1"]
