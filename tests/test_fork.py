@@ -83,3 +83,12 @@ def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, base_in
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     # the run's code fingerprint covers the forker's file too
     assert json.loads((tmp_path / "whole" / "config.json").read_text())["code"] != train.CODE
+
+
+def test_the_readme_fork_example_is_the_tested_variant():
+    """The code a forker copies first (README, 'Adding a method') is tests/fork_variant.py's, line for line."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    readme = open(os.path.join(root, "README.md")).read()
+    block = readme.split("### Adding a method", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    variant = open(os.path.join(root, "tests", "fork_variant.py")).read()
+    assert block.strip() == variant[variant.index("def best_attempt_context"):].strip()
