@@ -438,6 +438,11 @@ POOL_FLAGS = {
 }
 
 
+def pool_state(run):
+    """The shared pool: task id -> the trajectory text of a verified success (filled by build_pool)."""
+    return {'pool': {}}
+
+
 def build_pool(run, rollout):
     """Before training: the base's successes on --pool_episodes training tasks, by task."""
     n, pool = 64, run.state['pool']
@@ -471,7 +476,7 @@ OPSD_FLAGS = {**POOL_FLAGS,
 
 
 register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
-                        state=lambda run: {'pool': {}}, setup=build_pool,
+                        state=pool_state, setup=build_pool,
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
                         bench={'opsd': dict(cost=550, quick=True),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
@@ -506,7 +511,7 @@ def sdft_context(run, eps):
 
 
 register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence='fkl', group=1, lr=1e-3,
-                        state=lambda run: {'pool': {}}, setup=build_pool,
+                        state=pool_state, setup=build_pool,
                         ema_rate=0.01, flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **POOL_FLAGS},
                         bench={'sdft': dict(cost=630, quick=True)}, tune=DISTILL_LR))
 
@@ -682,7 +687,7 @@ def sod_loss(run, b, logits_s, teacher):
 
 
 register('sod', Method(sod_loss, context=opsd_context, teacher='frozen', divergence='rkl', group=1, lr=1e-3,
-                       state=lambda run: {'pool': {}}, setup=build_pool,
+                       state=pool_state, setup=build_pool,
                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS,
                               'sod_tau': arg(0.0, "SOD's temperature τ of w_k = exp(−D̄_k/τ) (0 = the batch's mean D̄_k)", lo=0,
                                              after_setup=True)},
@@ -818,7 +823,7 @@ def vaspo_after_step(run, b, logits_s, teacher):
 
 
 register('vaspo', Method(vaspo_loss, context=opsd_context, teacher='frozen', group=1, lr=1e-4,
-                         state=lambda run: {'pool': {}, **vaspo_state(run)}, setup=build_pool, after_step=vaspo_after_step,
+                         state=lambda run: {**pool_state(run), **vaspo_state(run)}, setup=build_pool, after_step=vaspo_after_step,
                          flags={**TEACHER_FLAGS, **OPSD_FLAGS,
                                 'gae_lambda': arg(0.95, "GAE's λ over the agent tokens (1 = the Monte Carlo return − V)", lo=0, hi=1,
                                                   after_setup=True),
