@@ -228,6 +228,16 @@ class ToolUse:
     embedder = 'ngram'      # the retriever's (retrieval.EMBEDDERS): the prompt's words tell a family and its relatives
     rerank = 'none'
     defaults = {}
+    # what a chat model is told in its system turn (--model only; the tiny model learns the format
+    # from the warm-up's demos and keeps its compact first turn)
+    instructions = (
+        "You act in an office directory through tools. Reply with exactly one tool call and nothing else.\n"
+        "Tools: manager(p), mentor(p), team(p) give a person's manager, mentor or team; lead(t) gives a "
+        "team's lead; mark(p) marks a person.\n"
+        "A task names one or two words and a person. For each word, look up the person it means, then mark "
+        "them. Unexplained words (zorb, glim, plov, snarf, quan, tref, mirth, vosk) each mean a chain of "
+        "lookups: find it by trying. Notes from past tasks may come first ('past: task: calls').\n"
+        "Example, for the task 'mentor of bo', your replies are:\nmentor(bo)\nmark(al)\n(the first call returned al).")
 
     def __init__(self, n_train=4000, n_eval=500, seed=0):
         # as in tooluse-v1: a repeating training pool and a family-balanced held-out set, each its own seed
@@ -441,6 +451,14 @@ class ToolUseV1:
     embedder = 'ngram'      # the retriever's (retrieval.EMBEDDERS): the prompt's words tell a family
     rerank = 'none'         # and its reranker (retrieval.RERANKERS)
     defaults = {'warmup_steps': 500}  # train.py flags whose default differs here: as when its numbers were measured
+    instructions = (
+        "You are an agent in an office directory. Tools, one call per reply: manager(p), city(p) and "
+        "team(p) return that person's manager, city or team; lead(t) returns the lead of team t. A task "
+        "asks for something about a person, e.g. 'city of manager of bo': find it with calls, then reply "
+        "answer X. Some tasks use words that are not explained: find what they mean by trying. A message "
+        "may begin with notes from past tasks ('past: task: calls -> results'). Reply with one call or the "
+        "answer only, e.g. manager(bo) or answer oslo")
+
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # fixed pools: the training tasks repeat (so same-task retrieval can happen), the
@@ -887,6 +905,12 @@ class CodeGen:
     # LOPD's teacher after 100 / 200 / 300 cold-start steps: +12.5 / +16 / +18.5 points above the
     # student (the same experiences as text: +19.5)
     defaults = {'cold_start_steps': 300, 'warmup_steps': 500}
+    instructions = (
+        "Each task shows input->output examples of one rule on a list of digits or a string, e.g. "
+        "[4,6,2]->[8,10,6]. Write a Python lambda f such that f(input) == output for every example and "
+        "for hidden tests of the same rule. Reply with the lambda only, e.g. lambda x: [v*2 for v in x]. "
+        "If it fails, you see the first failing test and get one more try. A message may begin with notes "
+        "from past tasks ('past: examples: lambda').")
 
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # as in ToolUse: a repeating training pool and a family-balanced held-out set,

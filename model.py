@@ -7,7 +7,7 @@ causal LM that accepts `inputs_embeds`. Two ways to get them:
 - default: a small BPE `tiktoken.Encoding` trained offline on the text the model will read
   (256 byte ranks plus merges learned by `bpe_ranks`, plus the special tokens below; it
   cuts every sequence about 3x against bytes) and a tiny Llama built from a `transformers`
-  config with random weights. Nothing is downloaded. `--tokenizer bytes` keeps plain bytes.
+  config with random weights. Nothing is downloaded. `--bpe_merges 0` keeps plain bytes.
 - `--model NAME_OR_PATH`: any `transformers` causal LM and its tokenizer; the special
   tokens are added to its vocabulary (and the embedding matrix resized) if missing.
 
@@ -26,6 +26,7 @@ import collections
 import contextlib
 import hashlib
 import inspect
+import os
 import re
 import warnings
 
@@ -50,13 +51,13 @@ class Tokenizer:
     only asks for `head` (the student's context), `context_head` (what goes before a privileged
     context), `turn(text, first)` (an observation up to where the agent speaks) and `eot`."""
 
-    def __init__(self, enc=None, hf=None):
+    def __init__(self, enc=None, hf=None, system=None):
         self.enc, self.hf, self.chat = enc, hf, None
         if enc is not None:
             ids = {s: enc.encode_single_token(s) for s in SPECIALS}
             self.vocab_size, self.n_ordinary = enc.n_vocab, enc.n_vocab - len(SPECIALS)
         elif getattr(hf, 'chat_template', None):
-            self.chat = chat_layout(hf)
+            self.chat = chat_layout(hf, system)
             ids = dict(zip(SPECIALS, [None] * len(SPECIALS)), **{'<|eot|>': self.chat['eot']})
             ids['<|pad|>'] = hf.pad_token_id if hf.pad_token_id is not None else self.chat['eot']
             self.vocab_size = len(hf)
@@ -100,10 +101,14 @@ class Tokenizer:
         return ([] if first else list(self.chat['user'])) + body + list(self.chat['assistant'])
 
 
-def chat_layout(hf):
+def chat_layout(hf, system=None):
     """The pieces of a chat template, found by rendering conversations with markers:
 
         head ⟨T1⟩ assistant ⟨A1⟩ eot user ⟨T2⟩ assistant      (assistant = user close + the generation prompt)
+
+    system: the environment's instructions, in the template's system turn (so in the head, before
+    any privileged context); a template without a system role gets them at the start of the first
+    user turn instead.
 
     -> token ids of each piece; eot is the token that ends an assistant turn (the first of its close),
     what the agent generates last and decoding stops on. Every turn opens with the generation prompt,
@@ -114,9 +119,16 @@ def chat_layout(hf):
     mk = ['\x01T1\x01', '\x01A1\x01', '\x01T2\x01']
     user = lambda t: {'role': 'user', 'content': t}
     render = lambda msgs: hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    sys_turn, in_user = [], ''
+    if system:
+        try:
+            ok = system in render([{'role': 'system', 'content': system}, user(mk[0])])
+        except Exception:  # a template that rejects a system turn
+            ok = False
+        sys_turn, in_user = ([{'role': 'system', 'content': system}], '') if ok else ([], system + '\n\n')
     try:
-        head, asst = render([user(mk[0])]).split(mk[0])
-        head3, rest = render([user(mk[0]), {'role': 'assistant', 'content': mk[1]}, user(mk[2])]).split(mk[0])
+        head, asst = render(sys_turn + [user(mk[0])]).split(mk[0])
+        head3, rest = render(sys_turn + [user(mk[0]), {'role': 'assistant', 'content': mk[1]}, user(mk[2])]).split(mk[0])
         close, asst3 = rest.split(mk[1])[1].split(mk[2])
     except Exception as e:
         raise ValueError(f'cannot read the chat template\'s turns: {type(e).__name__}: {e}') from e
@@ -127,7 +139,7 @@ def chat_layout(hf):
                          'an end-of-turn special token); use a tokenizer without a chat template')
     eot, eot_text = close_ids[0], hf.decode(close_ids[:1])
     user_open = enc(close[len(eot_text):]) if close.startswith(eot_text) else close_ids[1:]
-    return {'head': tuple(enc(head)), 'user': tuple(user_open), 'assistant': tuple(enc(asst)), 'eot': eot}
+    return {'head': tuple(enc(head + in_user)), 'user': tuple(user_open), 'assistant': tuple(enc(asst)), 'eot': eot}
 
 
 # pre-tokenization (GPT-2's, simplified): words with their leading space, single digits, runs of
@@ -192,15 +204,23 @@ def tiny_llama(vocab_size, d_model=128, n_layer=4, n_head=4, max_len=512):
     return LlamaForCausalLM(cfg)
 
 
-def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0, dtype=torch.float32):
+def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0, dtype=torch.float32, system=None):
     """-> (tokenizer, model). model_name None = the offline tokenizer (BPE learned on texts, or
-    bytes) + tiny Llama. A transformers model is loaded in `dtype` (bf16 halves its memory)."""
+    bytes) + tiny Llama. A transformers model (a hub name, a folder, or a .gguf file, whose
+    quantized weights transformers dequantizes) is loaded in `dtype` (bf16 halves its memory);
+    system: the instructions its chat template's system turn carries."""
     if model_name is None:
         tok = byte_tokenizer(texts, n_merges)
         return tok, tiny_llama(tok.vocab_size, d_model, n_layer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = Tokenizer(hf=AutoTokenizer.from_pretrained(model_name))
-    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
+    where, kw = model_name, {}
+    if model_name.endswith('.gguf'):
+        where, kw = os.path.dirname(os.path.abspath(model_name)), {'gguf_file': os.path.basename(model_name)}
+    tok = Tokenizer(hf=AutoTokenizer.from_pretrained(where, **kw), system=system)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw)
+    if kw:  # the weights are plain dequantized tensors now: drop the mark that forbids saving them (--export)
+        model.hf_quantizer = None
+        model.config.__dict__.pop('quantization_config', None)
     if model.get_input_embeddings().weight.shape[0] < tok.vocab_size:
         model.resize_token_embeddings(tok.vocab_size)
     return tok, model

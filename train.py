@@ -80,7 +80,9 @@ class Args:
                             group=RUN)
     max_skips: int = arg(5, 'stop after this many updates in a row with a non-finite loss or gradient', lo=1,
                          after_setup=True, group=RUN)
-    model: str = arg('', "a transformers causal LM, name or path ('' = the offline tiny Llama)", group=MODEL)
+    model: str = arg('', "a transformers causal LM: hub name, folder, or .gguf file (its quantized weights are dequantized "
+                     "to --dtype and LoRA trains on top of them); a chat model is told the task in its system turn "
+                     "('' = the offline tiny Llama)", group=MODEL)
     lora_r: int = arg(-1, 'rank of the LoRA adapter that trains (0 = every weight trains; -1 = 16 with --model, '
                       '0 for the tiny model)', lo=-1, group=MODEL)
     score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
@@ -194,6 +196,9 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
         for i, out in zip(live, outs):
             bodies[i] += out
             masks[i] += [1] * len(out)                                          # only what the agent generated
+            if out[-1:] != [tok.eot]:  # cut at max_action_tokens: closed as the template closes a turn, outside
+                bodies[i] += [tok.eot]  # the mask (the policy never sampled it, so no loss may score it)
+                masks[i] += [0]
             step = env.step(eps[i], tok.decode([t for t in out if t != tok.eot]))
             if not step.done:
                 o = M.obs_ids(tok, step.obs)

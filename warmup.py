@@ -165,4 +165,5 @@ def load_model(args, env, dtype=torch.float32):
     the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
     torch.manual_seed(1234)
     texts = tokenizer_texts(env) if args.bpe_merges and not args.model else None
-    return M.load(args.model or None, args.d_model, args.n_layer, texts, args.bpe_merges, dtype)
+    return M.load(args.model or None, args.d_model, args.n_layer, texts, args.bpe_merges, dtype,
+                  system=env.instructions if args.model else None)

@@ -55,13 +55,15 @@ def episode(env, seed=0):
 
 # ----------------------------------------------------------------------------- the chat template
 
-def test_the_body_reads_as_the_template_renders_the_conversation(hf):
-    tok, _ = M.load(hf("qwen3"))
+@pytest.mark.parametrize("system", [False, True])
+def test_the_body_reads_as_the_template_renders_the_conversation(hf, system):
     env = envs.make_env("tooluse")
+    tok, _ = M.load(hf("qwen3"), system=env.instructions if system else None)
     for seed in range(5):
         ep = episode(env, seed)
         ids, mask = M.encode_episode(tok, ep)
-        msgs = [{"role": "user", "content": ep.task.prompt[:M.MAX_OBS_CHARS]}]
+        msgs = [{"role": "system", "content": env.instructions}] if system else []   # the instructions: the system turn
+        msgs += [{"role": "user", "content": ep.task.prompt[:M.MAX_OBS_CHARS]}]
         for action, obs in ep.turns:
             msgs.append({"role": "assistant", "content": action})
             if obs:
@@ -109,6 +111,35 @@ def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--model", str(folder), "--out_dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not one fixed layout" in r.stderr
+
+
+def test_a_template_without_a_system_role_gets_the_instructions_in_the_first_user_turn(hf):
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(hf("qwen3"))
+    t.chat_template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}" \
+                      "{% endif %}{% endfor %}" + tiny_hf.CHATML
+    env = envs.make_env("codegen")
+    tok = M.Tokenizer(hf=t, system=env.instructions)
+    assert t.decode(tok.head()) == "<|im_start|>user\n" + env.instructions + "\n\n"
+    assert t.decode(M.Tokenizer(hf=t).head()) == "<|im_start|>user\n"      # none asked for: none there
+
+
+def test_a_cut_turn_is_closed_by_the_end_of_turn_token_outside_the_mask(hf):
+    """A random model never ends a turn: every action is cut at max_action_tokens. Each is followed by
+    <|im_end|>, as the template closes a turn, with mask 0 (the policy never sampled it)."""
+    env = envs.make_env("tooluse")
+    tok, model = M.load(hf("qwen3"), system=env.instructions)
+    torch.manual_seed(0)
+    eps, bodies, masks = train.rollout(model, tok, env, env.train_tasks[:3])
+    cuts = 0
+    for ep, ids, mask in zip(eps, bodies, masks):
+        after = [i for i in range(1, len(ids) + 1) if mask[i - 1] and (i == len(ids) or not mask[i])]  # after each agent turn
+        assert len(after) == len(ep.turns)
+        for i in after:   # a turn the agent ended holds its own <|im_end|>; a cut one gets it here, unmasked
+            closed_here = i < len(ids) and ids[i] == tok.eot and mask[i] == 0
+            assert (ids[i - 1] == tok.eot) != closed_here                      # closed once, never twice
+            cuts += closed_here
+    assert cuts > 0
 
 
 def test_every_turn_opens_as_the_agent_generated_it(hf):

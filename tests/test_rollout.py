@@ -53,22 +53,29 @@ def runs(ids, mask):
 
 
 def check_episode(tok, env, ep, body, mask):
-    """The body is prompt, then per turn: the generated tokens (mask 1) and, unless the
-    episode ended, the observation (mask 0). Nothing else is masked in or out."""
+    """The body is prompt, then per turn: the generated tokens (mask 1), <|eot|> if the turn was cut
+    at max_action_tokens (mask 0: nobody sampled it), and, unless the episode ended, the observation
+    (mask 0). Nothing else is masked in or out."""
     assert len(body) == len(mask) and ep.done and 1 <= len(ep.turns) <= env.max_turns
     parts = runs(body, mask)
     assert parts[0] == (0, M.obs_ids(tok, ep.task.prompt))
     agent = [p for m, p in parts if m == 1]
-    obs = [p for m, p in parts[1:] if m == 0]
+    after = [p for m, p in parts[1:] if m == 0]  # what follows each turn, unmasked
     assert len(agent) == len(ep.turns)  # one generated run per turn
     for k, (gen, (action, o)) in enumerate(zip(agent, ep.turns)):
         assert 1 <= len(gen) <= env.max_action_tokens
         assert tok.eot not in gen[:-1]  # generation stops at the first <|eot|>
         text = tok.decode([t for t in gen if t != tok.eot])
         assert text.strip()[:2 * envs.MAX_ACTION_CHARS] == action  # what the env saw
+        nxt = after[k] if k < len(after) else []
+        if gen[-1] != tok.eot:  # cut: closed as a turn is closed, outside the mask
+            assert len(gen) == env.max_action_tokens and nxt[:1] == [tok.eot]
+            nxt = nxt[1:]
         if k < len(ep.turns) - 1:
-            assert obs[k] == M.obs_ids(tok, o) and o  # the env's observation, unmasked
-    assert len(obs) == len(ep.turns) - 1  # no observation after the last turn
+            assert nxt == M.obs_ids(tok, o) and o  # the env's observation, unmasked
+        else:
+            assert nxt == []  # no observation after the last turn
+    assert len(after) <= len(ep.turns)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -26,10 +26,10 @@ def config(arch, vocab_size, d=32, layers=2):
     import transformers as tf
     common = dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if arch == 'gpt2':
-        return tf.GPT2Config(n_embd=d, n_layer=layers, n_head=2, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+        return tf.GPT2Config(n_embd=d, n_layer=layers, n_head=2, n_positions=2048, resid_pdrop=0.0, embd_pdrop=0.0,
                              attn_pdrop=0.0, **common)
     kw = dict(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=2,
-              num_key_value_heads=1, max_position_embeddings=1024, **common)
+              num_key_value_heads=1, max_position_embeddings=2048, **common)
     return {'llama': tf.LlamaConfig, 'qwen2': tf.Qwen2Config, 'qwen3': lambda **k: tf.Qwen3Config(head_dim=d // 2, **k)}[arch](**kw)
 
 
