@@ -113,6 +113,22 @@ def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not one fixed layout" in r.stderr
 
 
+def test_the_instructions_reach_student_and_teacher_once_before_the_context(hf):
+    """train.py's loading: the system turn holds the instructions; the student's head and a text
+    teacher's context head are the same tokens, the privileged context after them, then the task."""
+    import warmup
+    env = envs.make_env("tooluse")
+    tok, model = warmup.load_model(train.parse_args(["--model", hf("qwen3")]), env)
+    ep = episode(env)
+    body, _ = M.encode_episode(tok, ep)
+    student = tok.hf.decode(tok.head() + body)
+    teacher = tok.hf.decode(tok.context_head() + tok.encode("past: a note\n") + body)
+    assert student.count(env.instructions) == teacher.count(env.instructions) == 1
+    assert teacher == student.replace("<|im_start|>user\n", "<|im_start|>user\npast: a note\n", 1)
+    prefix = M.text_prefix(model, tok, ["past: a note\n"])[0]                 # what a text teacher is given
+    assert torch.equal(prefix, M.embed(model, torch.tensor(tok.context_head() + tok.encode("past: a note\n"))))
+
+
 def test_a_template_without_a_system_role_gets_the_instructions_in_the_first_user_turn(hf):
     from transformers import AutoTokenizer
     t = AutoTokenizer.from_pretrained(hf("qwen3"))
