@@ -459,7 +459,6 @@ class ToolUseV1:
         "may begin with notes from past tasks ('past: task: calls -> results'). Reply with one call or the "
         "answer only, e.g. manager(bo) or answer oslo")
 
-
     def __init__(self, n_train=4000, n_eval=250, seed=0):
         # fixed pools: the training tasks repeat (so same-task retrieval can happen), the
         # held-out tasks use their own seed and fresh worlds, and are balanced by family

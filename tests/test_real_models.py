@@ -141,8 +141,8 @@ def test_a_template_without_a_system_role_gets_the_instructions_in_the_first_use
 
 
 def test_a_cut_turn_is_closed_by_the_end_of_turn_token_outside_the_mask(hf):
-    """A random model never ends a turn: every action is cut at max_action_tokens. Each is followed by
-    <|im_end|>, as the template closes a turn, with mask 0 (the policy never sampled it)."""
+    """A random model rarely ends a turn: most actions are cut at max_action_tokens. Each cut one is followed
+    by <|im_end|>, as the template closes a turn, with mask 0 (the policy never sampled it)."""
     env = envs.make_env("tooluse")
     tok, model = M.load(hf("qwen3"), system=env.instructions)
     torch.manual_seed(0)
