@@ -477,12 +477,12 @@ def gap_rows(run, rollout, tasks):
     import model as M
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
-    contexts = {run.args.method: run.method.context(run, eps)[::G]}
+    contexts = {run.args.method: methods.embed_context(run, run.method.context(run, eps))[::G]}
     others = lambda: methods.retrieve(run, [e.task for e in eps[::G]], other_family=True)
     if run.args.method == 'lopd':
         contexts['lopd-control'] = methods.latents(run, eps[::G], grad=False, found=others())
     if run.args.method == 'trajtext':  # the same control as text: what other families' experiences tell
-        contexts['trajtext-control'] = M.text_prefix(run.teacher, run.tok, [methods.bank_text(f) for f in others()])
+        contexts['trajtext-control'] = methods.embed_context(run, [methods.bank_text(f) for f in others()])
     out = {}
     with torch.no_grad():
         for name, ctx in contexts.items():

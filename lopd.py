@@ -190,10 +190,55 @@ class Composer(nn.Module):
         """h (N, L, d), mask (N, L) -> z (N, K, d)."""
         return self.from_pooled(segment_pool(h, mask, self.K))
 
+    def read(self, h, e, mask):
+        """What φ keeps of a reading: h (N, L, d) over mask (N, L); e (the token embeddings) unused."""
+        return segment_pool(h, mask, self.K)
+
     def from_pooled(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
         A frozen reading does not change, so it can be pooled once and reused (methods.cold_start)."""
         return self.mlp(pooled)
+
+
+class QFormer(nn.Module):
+    """φ as the paper's Q-Former: K learned queries cross-attend over the reader's states of one
+    experience. Keys come from the reader's last hidden states (they know what each token *is for*:
+    the tool's name in a call, an argument); values are the tokens' own input embeddings, plus an
+    MLP of the attended states that starts at zero. A query that attends sharply hands the teacher
+    one token of the experience exactly as the teacher embeds it: the latents can carry the
+    experience's words, which a mean over segments of last-layer states smears away."""
+
+    L = 200  # the longest experience read (reading() cuts each at 200 tokens)
+
+    def __init__(self, d, K, scale=0.05):
+        super().__init__()
+        self.K = K
+        self.q = nn.Parameter(torch.randn(K, d) / d ** 0.5)
+        self.key = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d))
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        with torch.no_grad():
+            self.mlp[-1].weight.zero_()
+            self.mlp[-1].bias.zero_()
+
+    def read(self, h, e, mask):
+        """Each row's experience tokens, gathered to the front: (N, L, 2d + 1) = [h, e, mask]."""
+        N, _, d = h.shape
+        out = h.new_zeros(N, self.L, 2 * d + 1)
+        for i in range(N):
+            idx = mask[i].nonzero().squeeze(-1)[:self.L]
+            out[i, :len(idx)] = torch.cat([h[i, idx], e[i, idx], h.new_ones(len(idx), 1)], -1)
+        return out
+
+    def from_pooled(self, read):
+        """(N, L, 2d + 1) -> z (N, K, d)."""
+        d = (read.shape[-1] - 1) // 2
+        h, e, mask = read[..., :d], read[..., d:2 * d], read[..., -1]
+        scores = torch.einsum('kd,nld->nkl', self.q, self.key(h)) / d ** 0.5    # (N, K, L)
+        a = scores.masked_fill(mask[:, None] == 0, float('-inf')).softmax(-1)
+        return torch.einsum('nkl,nld->nkd', a, e) + self.mlp(torch.einsum('nkl,nld->nkd', a, h))
+
+
+COMPOSERS = {'mlp': Composer, 'qformer': QFormer}
 
 
 def segment_pool(h, mask, K):

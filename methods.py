@@ -54,7 +54,7 @@ class Teacher:
 
 
 class Prefixes(list):
-    """A context builder's answer: one teacher prefix (P_i, d) per rollout, or None for a rollout
+    """A context builder's answer: one teacher context (a text or an embedded (P_i, d)) per rollout, or None for a rollout
     that gets no teacher, plus, as attributes, whatever else the same pass made that a loss or
     hook needs (LOPD: the latents z with φ's graph, their cold-start z0, what was retrieved)."""
 
@@ -67,7 +67,7 @@ class Prefixes(list):
 class Method:
     """One on-policy method. Every field is a keyword; only `loss` is required."""
     loss: Callable                       # (run, batch, logits_s, teacher) -> scalar loss for θ
-    context: Optional[Callable] = None   # (run, episodes) -> a teacher prefix per rollout (None: no teacher); pure
+    context: Optional[Callable] = None   # (run, episodes) -> per rollout a text, an embedded prefix, or None (no teacher); pure
     sample: Optional[Callable] = None    # (run, tasks, rollout) -> the batch's (eps, bodies, masks) (None: rollout of θ, no context)
     teacher: str = 'frozen'              # the teacher's weights: 'frozen' θ0, 'ema' of θ, 'live' θ, or 'none'
     divergence: str = 'rkl'              # D of the distillation loss, unless --divergence says otherwise
@@ -118,6 +118,13 @@ def experience_line(task, traj):
 def bank_text(found):
     """Retrieved bank entries as one text context (Traj-text's, and LOPD's text-to-latent cold start's)."""
     return experiences_text([(m.task, m.text) for m in found])
+
+
+def embed_context(run, ctx):
+    """A context builder's answer, ready for the teacher: text becomes <|bos|><|ctx|> text embedded by
+    the teacher (M.text_prefix); an embedded prefix (P, d) and None (no teacher) pass through."""
+    out = [M.text_prefix(run.teacher, run.tok, [c])[0] if isinstance(c, str) else c for c in ctx]
+    return Prefixes(out, **vars(ctx)) if isinstance(ctx, Prefixes) else out
 
 
 def with_default(run, prefixes):
@@ -174,7 +181,7 @@ def lopd_state(run):
     """φ (the composer, and with --reader trained the reader too), its cold-start copy φ0 (for the
     anchor), φ's optimizer, the multiplier β, the bank."""
     emb = run.model.get_input_embeddings().weight
-    composer = lopd.Composer(emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
+    composer = lopd.COMPOSERS[run.args.composer](emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
     # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a
     # trainable copy of θ0 (the tiny model is small enough to copy whole)
     reader = copy.deepcopy(run.model).train().requires_grad_(True) if run.args.reader == 'trained' else None
@@ -227,7 +234,7 @@ def reading(run, tasks, found, reader):
     bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
     ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
                                   [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
-    return lopd.segment_pool(M.hidden(reader, ids, attn), pool, run.args.K)
+    return run.state['composer'].read(M.hidden(reader, ids, attn), M.embed(reader, ids), pool)
 
 
 def latent_frame(run, zs):
@@ -392,6 +399,8 @@ register('lopd', Method(
     state=lopd_state, setup=cold_start, after_step=lopd_after_step,
     flags={**DISTILL_FLAGS, **BANK_FLAGS,
            'K': arg(4, 'latent tokens per retrieved experience', lo=1),
+           'composer': arg('mlp', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
+                           "queries attending over them (the paper's)", choices=list(lopd.COMPOSERS)),
            'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
            'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
            'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
@@ -466,7 +475,7 @@ def opsd_context(run, eps):
     """OPSD: the frozen base is shown an oracle trajectory of this task from the shared pool
     (--opsd_context answer: this task's reference solution, plan and answer, the OPSD code's form)."""
     texts = [solution_text(e.task) if run.args.opsd_context == 'answer' else oracle_text(run, e.task) for e in eps]
-    return M.text_prefix(run.teacher, run.tok, texts)
+    return texts
 
 
 OPSD_FLAGS = {**POOL_FLAGS,
@@ -495,7 +504,7 @@ def sdpo_context(run, eps):
         sib = next((s for j, s in enumerate(eps[g:g + G], g) if j != i and s.success), None)
         texts.append(experiences_text([(sib.task.prompt, run.env.trajectory_text(sib))]) if sib else
                      f'feedback: {e.feedback}\n' if e.feedback else None)
-    return [M.text_prefix(run.teacher, run.tok, [t])[0] if t else None for t in texts]
+    return texts
 
 
 register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, lr=1e-3,
@@ -507,7 +516,7 @@ register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, l
 
 def sdft_context(run, eps):
     """SDFT: an EMA of the student shown the pool's oracle trajectory of this task as a demonstration."""
-    return M.text_prefix(run.teacher, run.tok, [oracle_text(run, e.task) for e in eps])
+    return [oracle_text(run, e.task) for e in eps]
 
 
 register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence='fkl', group=1, lr=1e-3,
@@ -558,8 +567,7 @@ def ucb1(stats, n_arms):
 def skillsd_context(run, eps):
     """Skill-SD: the skill text of the task's family, from the arm its bandit chose last."""
     s = run.state
-    texts = [skill_of(s['skills'].get(e.task.family, []), s['arm'].get(e.task.family, 0)) for e in eps]
-    return M.text_prefix(run.teacher, run.tok, texts)
+    return [skill_of(s['skills'].get(e.task.family, []), s['arm'].get(e.task.family, 0)) for e in eps]
 
 
 def skillsd_loss(run, b, logits_s, teacher):
@@ -600,8 +608,7 @@ register('skillsd', Method(
 def trajtext_context(run, eps):
     """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
     found = retrieve(run, [e.task for e in eps])
-    return Prefixes(M.text_prefix(run.teacher, run.tok, [bank_text(f) for f in found]),
-                    found=found)
+    return Prefixes([bank_text(f) for f in found], found=found)
 
 
 def trajtext_after_step(run, b, logits_s, teacher):

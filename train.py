@@ -217,7 +217,7 @@ def teacher_phase(run, b):
     if run.method.context is None:  # a method without a teacher
         return None
     with torch.set_grad_enabled(run.teacher is not run.model):
-        ctx = run.method.context(run, b.eps)
+        ctx = methods.embed_context(run, run.method.context(run, b.eps))
         keep = torch.tensor([p is not None for p in ctx])                        # (B,) no context: no teacher
         return methods.Teacher(M.logits_on(run.teacher, methods.with_default(run, ctx), b.ids, b.attn), keep, ctx)
 
@@ -281,7 +281,7 @@ def evaluate(run):
             tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
             out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
-            prefixes = methods.with_default(run, run.method.context(run, [run.env.reset(t) for t in tasks]))
+            prefixes = methods.with_default(run, methods.embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
             teps = bk.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
                                                        prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))

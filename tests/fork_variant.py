@@ -2,14 +2,13 @@
 student's own best earlier attempt at this very task, kept in a per-task memory that the run
 checkpoints and restores like any method's state. (tests/test_fork.py runs it.)"""
 import methods
-import model as M
 
 
 def best_attempt_context(run, eps):
-    """The teacher reads the best earlier attempt at this task; a task never tried gets no teacher."""
+    """The teacher reads the best earlier attempt at this task (a text); a task never tried gets no teacher."""
     best = run.state['best']
-    return [M.text_prefix(run.teacher, run.tok, [methods.experiences_text([(e.task.prompt, best[e.task.task_id][1])])])[0]
-            if e.task.task_id in best else None for e in eps]
+    return [methods.experiences_text([(e.task.prompt, best[e.task.task_id][1])]) if e.task.task_id in best else None
+            for e in eps]
 
 
 def remember(run, b, logits_s, teacher):
@@ -20,6 +19,5 @@ def remember(run, b, logits_s, teacher):
     return {'remembered': float(len(run.state['best']))}
 
 
-methods.register('best-attempt', methods.Method(
-    methods.distill, context=best_attempt_context, teacher='frozen', group=4, lr=1e-3,
-    state=lambda run: {'best': {}}, after_step=remember, flags=dict(methods.DISTILL_FLAGS)))
+methods.register('best-attempt', methods.Method(methods.distill, context=best_attempt_context, group=4,
+                                                state=lambda run: {'best': {}}, after_step=remember))

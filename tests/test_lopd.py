@@ -422,6 +422,32 @@ def test_segment_pool_matches_loop():
     torch.testing.assert_close(lopd.segment_pool(h2, mask, K), got)
 
 
+def test_qformer_matches_a_loop_and_a_sharp_query_copies_one_token():
+    """z_k = Σ_l softmax_l(q_k · key(h_l) / √d) e_l + MLP(Σ_l a_kl h_l), over the experience's tokens only."""
+    torch.manual_seed(0)
+    N, L, d, K = 3, 9, 8, 2
+    c = lopd.QFormer(d, K).double()
+    h, e = torch.randn(N, L, d, dtype=torch.float64), torch.randn(N, L, d, dtype=torch.float64)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0], [1] * 9, [0, 1, 0, 0, 0, 0, 0, 0, 0]])
+    with torch.no_grad():
+        c.mlp[-1].weight.normal_()  # the MLP starts at zero; check its part too
+    z = c.from_pooled(c.read(h, e, mask))
+    for i in range(N):
+        idx = [j for j in range(L) if mask[i, j]]
+        for k in range(K):
+            a = torch.softmax(torch.stack([c.q[k] @ c.key(h[i, j]) for j in idx]) / d ** 0.5, 0)
+            want = sum(w * e[i, j] for w, j in zip(a, idx)) + c.mlp(sum(w * h[i, j] for w, j in zip(a, idx)))
+            torch.testing.assert_close(z[i, k], want)
+    # a query that attends to one position hands the teacher that token's own embedding
+    with torch.no_grad():
+        c.mlp[-1].weight.zero_()
+        c.q.copy_(torch.zeros(K, d, dtype=torch.float64))
+        c.q[0] = 1e4 * c.key(h[1, 5]) / c.key(h[1, 5]).norm()
+    z = c.from_pooled(c.read(h, e, mask))
+    torch.testing.assert_close(z[1, 0], e[1, 5])
+    torch.testing.assert_close(z[1, 1], e[1].mean(0))                    # a flat query: the mean of the tokens
+
+
 # ----------------------------------------------------------------------------- latents via inputs_embeds
 
 def test_bos_prefix_equals_plain_model_and_latents_change_logits(tok):

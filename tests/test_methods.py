@@ -23,12 +23,6 @@ from conftest import TINY_BASE  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def captured(monkeypatch):
-    """Replace text_prefix so that a context builder hands back its texts, not embeddings."""
-    monkeypatch.setattr(M, "text_prefix", lambda model, tok, texts: list(texts))
-
-
 @pytest.fixture(scope="module")
 def env():
     return envs.ToolUseV1(n_train=200, n_eval=20)
@@ -48,7 +42,7 @@ def played(env, task, ok):
     return envs.play(env, task, env.demo(task, random.Random(0)) if ok else ["answer nobody"])
 
 
-def test_opsd_context_is_an_oracle_trajectory_of_this_task_from_the_pool(env, captured):
+def test_opsd_context_is_an_oracle_trajectory_of_this_task_from_the_pool(env):
     """The pool's trajectory of the task, as one past experience; the expert's where the pool has none;
     --opsd_context answer: this task's reference solution (plan and answer)."""
     eps = [env.reset(t) for t in env.train_tasks[:5]]
@@ -80,7 +74,7 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
     assert all(v == env.trajectory_text(played(env, by_id[k], True)) for k, v in pool.items())  # what succeeded, as it went
 
 
-def test_sdpo_never_shows_a_rollout_its_own_attempt(env, captured):
+def test_sdpo_never_shows_a_rollout_its_own_attempt(env):
     G = methods.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     # group 1: exactly one success; group 2: no success
@@ -96,7 +90,7 @@ def test_sdpo_never_shows_a_rollout_its_own_attempt(env, captured):
     assert methods.sdpo_context(fake_run(env, "sdpo"), eps)[5] is None
 
 
-def test_sdpo_sibling_is_from_the_same_group(env, captured):
+def test_sdpo_sibling_is_from_the_same_group(env):
     G = methods.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     eps = [played(env, a, False) for _ in range(G)] + [played(env, b, True)] + [played(env, b, False)] * (G - 1)
@@ -104,7 +98,7 @@ def test_sdpo_sibling_is_from_the_same_group(env, captured):
     assert all(t.startswith("feedback:") for t in texts[:G])  # b's success never leaks into a's group
 
 
-def test_sdft_context_is_the_pools_trajectory_of_this_task_and_its_teacher_an_ema_at_0_01(env, captured):
+def test_sdft_context_is_the_pools_trajectory_of_this_task_and_its_teacher_an_ema_at_0_01(env):
     eps = [env.reset(t) for t in env.train_tasks[:4]]
     texts = methods.sdft_context(fake_run(env, "sdft"), eps)
     for e, t in zip(eps, texts):
@@ -116,7 +110,7 @@ def test_sdft_context_is_the_pools_trajectory_of_this_task_and_its_teacher_an_em
     assert (methods.METHODS["sdpo"].teacher, methods.METHODS["sdpo"].ema_rate) == ("ema", 0.05)
 
 
-def test_trajtext_shows_the_same_experiences_lopd_retrieves(env, captured):
+def test_trajtext_shows_the_same_experiences_lopd_retrieves(env):
     bank = retrieval.ExperienceBank(retrieval.hashing_embedder(), 100)
     wins = [played(env, t, True) for t in env.train_tasks[:40]]
     bank.add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt, env.trajectory_text(e), 1.0)
@@ -130,7 +124,7 @@ def test_trajtext_shows_the_same_experiences_lopd_retrieves(env, captured):
         assert all(m.task_id != e.task.task_id for m in f)  # never this task instance
 
 
-def test_skill_text_uses_only_the_tasks_family(env, captured):
+def test_skill_text_uses_only_the_tasks_family(env):
     run = fake_run(env, "skillsd")
     fams = {}
     for t in env.train_tasks[:60]:
@@ -162,7 +156,7 @@ def test_skill_text_breaks_a_tie_between_mistakes_the_same_way_in_every_process(
     assert f"mistakes: {mistakes[2]};" in methods.skill_text(recs + recs[2:3])  # a count beats order
 
 
-def test_skillsd_arms_are_skills_of_the_latest_successes(env, captured):
+def test_skillsd_arms_are_skills_of_the_latest_successes(env):
     run = fake_run(env, "skillsd")
     fam = env.train_tasks[0].family
     run.state["skills"][fam] = [(f"answer x{i}", 1.0, "correct") for i in range(5)]
@@ -208,7 +202,7 @@ def test_skillsd_bandit_credits_the_arm_whose_update_the_rollouts_followed(env):
     assert s["arm"][fam] == max(ucb, key=ucb.get) == 2
 
 
-def test_skillsd_skill_for_a_family_without_records(env, captured):
+def test_skillsd_skill_for_a_family_without_records(env):
     run = fake_run(env, "skillsd")
     assert methods.skillsd_context(run, [env.reset(env.train_tasks[0])]) == [
         "skill: success pattern: none yet; mistakes: none seen; workflow: ? turns, the last one answers\n"]
@@ -335,7 +329,7 @@ def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out,
     torch.testing.assert_close(seen[0], want)
 
 
-def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env, captured):
+def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
     """Each text context a method's teacher (or PSP's sampler) is shown opens with one of the warm-up's
     forms, and each warm-up form is shown by some method: the base learns to read what it will read."""
     import warmup
@@ -358,3 +352,15 @@ def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env, cap
     for _ in range(400):
         taught.add(warmup.warmup_demo(env, rng.choice(pool), by_family, rng, p_ctx=1.0)[1].split(":")[0])
     assert shown == taught == {"past", "reference solution", "skill", "feedback"}
+
+
+def test_embed_context_frames_text_and_passes_the_rest():
+    """A builder may answer text, an embedded prefix or None; the teacher phase gets prefixes, extras kept."""
+    tok = M.byte_tokenizer()
+    model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
+    run = types.SimpleNamespace(teacher=model, tok=tok)
+    z = torch.randn(3, 16)
+    out = methods.embed_context(run, methods.Prefixes(["past: a\n", z, None], found="kept"))
+    torch.testing.assert_close(out[0], M.text_prefix(model, tok, ["past: a\n"])[0])   # <|bos|><|ctx|> text
+    assert out[1] is z and out[2] is None and out.found == "kept"
+    assert methods.embed_context(run, [None]) == [None]

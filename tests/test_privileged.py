@@ -109,7 +109,7 @@ def test_bpe_ranks_by_hand():
 def lopd_run(tok, model, K=3, reader="frozen"):
     run = types.SimpleNamespace(teacher=model, model=model, tok=tok, device=torch.device("cpu"), rng=random.Random(0),
                                 method=methods.METHODS["lopd"],
-                                args=types.SimpleNamespace(K=K, J=3, lr=0.0, lr_composer=1e-3, reader=reader,
+                                args=types.SimpleNamespace(K=K, J=3, composer="mlp", lr=0.0, lr_composer=1e-3, reader=reader,
                                                            bank_capacity=100, allow_same_task=False, embedder="ngram",
                                                            rerank="none"))
     run.state = methods.lopd_state(run)
