@@ -434,7 +434,8 @@ def plot_curves(path, results, target):
     for e, r in results.items():
         if r:
             c = r['curve']
-            line, = ax.plot(c['episodes'], c['mean'], '-', marker='.', label=f"{e} ({len(r['final'])} seeds)")
+            n = len(r['final'])
+            line, = ax.plot(c['episodes'], c['mean'], '-', marker='.', label=f"{e} ({n} seed{'s' * (n > 1)})")
             ax.fill_between(c['episodes'], c['min'], c['max'], color=line.get_color(), alpha=0.15)
     if target is not None:
         ax.axhline(target, color='k', ls=':', lw=1, label="GRPO's final mean reward")
@@ -708,6 +709,9 @@ def parse(argv):
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help='a train.py flag, every run (repeatable)')
     p.add_argument('--memory', action='store_true', help='peak memory of one distillation step at V = 151,936, T = 2,048, '
                    'chunked vs unchunked scoring, and LoRA parameter memory for a 0.5B-shaped model (no training runs)')
+    p.add_argument('--curves', default='', metavar='RUN,RUN', help='plot the held-out reward of finished run folders, '
+                   'one line each (no training) -> --png')
+    p.add_argument('--png', default='curves.png', help="where --curves writes its plot")
     o, extras = p.parse_known_args(argv)
     if o.jobs < 1:
         die(f'--jobs must be >= 1, got {o.jobs}')
@@ -744,6 +748,13 @@ def main(argv=None):
     tuned = {} if o.no_tuned or o.tune else read_json(os.path.join(cmp_dir, 'tuning.json')) or {}
     if o.memory:
         return memory_report(o)
+    if o.curves:
+        rows = {os.path.basename(os.path.normpath(d)): summarize([d], (read_json(os.path.join(d, 'summary.json')) or {})
+                                                                 .get('episodes', 1)) for d in o.curves.split(',')}
+        if not all(rows.values()):
+            die(f"--curves: no finished run in {', '.join(d for d, r in rows.items() if not r)}")
+        plot_curves(o.png, rows, None)
+        return print(f'bench: {len(rows)} curves in {o.png}')
     if o.teacher_gap:
         o.argv = sys.argv[1:] if argv is None else argv
         print(f'bench: teacher gap in {time.time() - t0:.0f}s; table in {os.path.relpath(teacher_gap(o, out_dir, cmp_dir))}')

@@ -116,6 +116,9 @@ class Run:
         self.log = {'loss': [], 'reward': [], 'skipped': []}  # since the last evaluation (skipped: whole run)
         self.skips_in_a_row = 0
         self.state = {}  # the method's own (methods.Method.state)
+        # set by train.build: the environment, tokenizer, student θ, teacher, θ's optimizer
+        self.env = self.tok = self.model = self.teacher = self.opt = None
+        self.tb = None  # the TensorBoard writer, opened at the first evaluation with --tensorboard
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
@@ -413,7 +416,7 @@ def log_eval(run, m):
 
 def tensorboard(run, m):
     """The same numbers as metrics.jsonl, as TensorBoard scalars against episodes (--tensorboard)."""
-    if getattr(run, 'tb', None) is None:
+    if run.tb is None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:

@@ -346,6 +346,13 @@ def build(args):
     return run
 
 
+def load_run(run_dir):
+    """A run folder -> the live run at its last checkpoint, as `--resume` rebuilds it: model,
+    teacher, optimizer, the method's state, every RNG. For notebooks and scripts: it writes
+    nothing, and a `train_step(run)` on it is the step the run would take next."""
+    return build(parse_args(['--resume', run_dir]))
+
+
 def make_teacher(model, kind):
     """The teacher's weights: θ0 frozen, an EMA of θ, θ itself (live), or none. With LoRA, θ0 is the
     same model with the adapter off and the EMA teacher a second adapter: no copy of the model."""

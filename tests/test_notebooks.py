@@ -16,6 +16,7 @@ file stays small enough to read on GitHub.
 """
 import glob
 import os
+import re
 import sys
 import tempfile
 import time
@@ -81,8 +82,33 @@ def execute(path, runs):
     return nb
 
 
+def facts_02(out):
+    """The distillation loss of one forward per role equals the per-prefix loop, for each divergence."""
+    rows = re.findall(r"(\w+): one forward per role ([\d.]+)\s+per-prefix loop ([\d.]+)", out)
+    assert {k for k, _, _ in rows} == {"rkl", "fkl", "jsd"} and all(a == b for _, a, b in rows), rows
+
+
+def facts_03(out):
+    """LOPD's teacher prefix: <|bos|><|ctx|>past: and J·(K latents + a newline), J = 3, K = 4."""
+    assert "teacher prefix: (19, 64) = <|bos|><|ctx|>past: (4 tokens) + J*(K + 1)" in out
+
+
+def facts_04(out):
+    """The step by hand: its shapes, Δ by hand = lopd.composer_loss's, and the same θ, φ, β, bank as train_step."""
+    n, k = map(int, re.search(r"z \((\d+), 64\) = \(Σ_i J_i · K, d\) = \((\d+) · 4, 64\)", out).groups())
+    assert n == 4 * k
+    assert "teacher prefix (19, 64) = 4 framing tokens + J·(K + 1) = 3·(4 + 1)" in out
+    by_hand, by_loss = re.search(r"Δ by hand ([-+\d.]+), lopd.composer_loss's Δ ([-+\d.]+)", out).groups()
+    assert by_hand == by_loss
+    assert "student θ identical: True; composer φ identical: True" in out
+
+
+FACTS = {"02_on_policy_self_distillation.ipynb": facts_02, "03_latent_privileged_context.ipynb": facts_03,
+         "04_one_lopd_step_by_hand.ipynb": facts_04}  # what each notebook shows, checked on what it printed
+
+
 def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 3, NOTEBOOKS
+    assert len(NOTEBOOKS) >= 4, NOTEBOOKS
 
 
 def runs_top_to_bottom(path, runs):
@@ -90,6 +116,8 @@ def runs_top_to_bottom(path, runs):
     nb = execute(path, runs)  # raises CellExecutionError, naming the cell, if any cell fails
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    FACTS.get(os.path.basename(path), lambda out: None)(printed)
     print(f"{os.path.basename(path)}: {time.time() - t0:.0f} s")
 
 
