@@ -136,6 +136,20 @@ def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, t
     assert "setup: cached" not in capsys.readouterr().out
 
 
+def test_load_run_gives_back_the_run_at_its_checkpoint_and_writes_nothing(runs):
+    """train.load_run(folder) -> the live run: θ, φ, β, the bank, the counters, as ckpt.pt holds them."""
+    out, _ = runs
+    before = {f: (out / "whole" / f).read_bytes() for f in ("metrics.jsonl", "ckpt.pt", "summary.json")}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run = train.load_run(str(out / "whole"))
+    ckpt = torch.load(out / "whole" / "ckpt.pt", map_location="cpu", weights_only=False)
+    assert (run.step, run.episodes, run.args.method) == (4, 80, "lopd")
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in run.model.state_dict().items())
+    assert all(torch.equal(v, ckpt["state"]["composer"][k]) for k, v in run.state["composer"].state_dict().items())
+    assert run.state["beta"] == ckpt["state"]["beta"] and run.state["bank"].state_dict() == ckpt["state"]["bank"]
+    assert {f: (out / "whole" / f).read_bytes() for f in before} == before
+
+
 def test_resume_refuses_a_changed_flag(runs, capsys):
     out, _ = runs
     with pytest.raises(SystemExit) as e:
