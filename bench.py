@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm import tqdm
 
+import lopd_method
 import methods  # the registry: the entries, tuning grids and costs all come from it
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -479,9 +480,9 @@ def gap_rows(run, rollout, tasks):
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
     contexts = {run.args.method: methods.embed_context(run, run.method.context(run, eps))[::G]}
-    others = lambda: methods.retrieve(run, [e.task for e in eps[::G]], other_family=True)
+    others = lambda: lopd_method.retrieve(run, [e.task for e in eps[::G]], other_family=True)
     if run.args.method == 'lopd':
-        contexts['lopd-control'] = methods.latents(run, eps[::G], grad=False, found=others())
+        contexts['lopd-control'] = lopd_method.latents(run, eps[::G], grad=False, found=others())
     if run.args.method == 'trajtext':  # the same control as text: what other families' experiences tell
         contexts['trajtext-control'] = methods.embed_context(run, [methods.bank_text(f) for f in others()])
     out = {}

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import model as M
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'methods.py', 'model.py', 'retrieval.py', 'train.py', 'warmup.py']
+MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'retrieval.py', 'train.py',
+           'variants.py', 'warmup.py']
 
 
 def fingerprint(files=()):

@@ -1,11 +1,10 @@
 """The math of on-policy self-distillation and of LOPD, as pure functions.
 
-    Logits            (B, T, V) logits kept as the last hidden states and the LM head, read in chunks
     token_logp        log π(y_t | y<t) of the sampled tokens
     divergence        per-token D(student ‖ teacher): reverse KL, forward KL, generalized JSD
     topk_divergence   the same over the teacher's top-k tokens plus one "tail" bucket
     distill_loss      L_distill = Σ_{t∈A} D(π_θ ‖ sg π_T) / |A|
-    Composer          retrieved experiences -> K latent tokens each (an MLP; the paper uses a Q-Former)
+    Composer, QFormer retrieved experiences -> K latent tokens each (an MLP on segment means; learned queries)
     teacher_inputs    [context (text or latents) ; trajectory] as one left-padded inputs_embeds batch
     privileged_margin Δ(φ) = mean_τ A(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t)
     composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖²
@@ -14,11 +13,13 @@
     ppo_clip_loss     PPO-clip policy gradient, token mean
     is_k3_loss        Skill-SD's importance-weighted sampled-token reverse KL (k3 estimator)
     ema_update        θ_T ← (1 − rate) θ_T + rate θ (SDPO's teacher)
+    Logits            (B, T, V) logits kept as the last hidden states and the LM head, read in chunks
 
 Shapes: B rollouts, T tokens, V vocabulary, d model width, K latents per experience,
 J experiences per task. `mask` is the agent-token mask A: 1 on tokens the agent
 generated, 0 on prompt, observation and padding tokens. Nothing here does I/O or keeps
-state; train.py owns the models and the loop, methods.py says which method uses what.
+state; train.py owns the models and the loop, methods.py (and lopd_method.py) say which method
+uses what.
 
 References: LOPD, Zhang et al. 2026 (arXiv 2608.13040): the distillation loss, the composer,
 the privileged margin and its dual update; GKD, Agarwal et al. 2024 (generalized JSD);
@@ -34,52 +35,6 @@ from torch.utils.checkpoint import checkpoint
 def _f32(x):
     """At least float32 (bf16 logits would round the log-probs), float64 stays float64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class Logits:
-    """(B, T, V) logits that are never held whole: the last hidden states h (B, T, d) and the LM
-    head, read `chunk` positions at a time by `per_position`. At V = 151,936 one (B, T, V) float32
-    tensor of a 4 × 2,048 batch is 5 GB, and a divergence holds several. `detach()` gives the
-    teacher's view: no graph, and the head's weight frozen as it was when the teacher scored."""
-
-    def __init__(self, h, weight, bias=None, chunk=256, softcap=None, grad=True):
-        self.h, self.weight, self.bias, self.chunk, self.softcap, self.grad = h, weight, bias, chunk, softcap, grad
-        self.shape = (*h.shape[:-1], weight.shape[0])
-
-    def detach(self):
-        keep = lambda w: None if w is None else w.detach().clone() if w.requires_grad else w.detach()
-        return Logits(self.h.detach(), keep(self.weight), keep(self.bias), self.chunk, self.softcap, grad=False)
-
-    def __getitem__(self, rows):  # a subset of rollouts, as a tensor's logits[keep] is
-        return Logits(self.h[rows], self.weight, self.bias, self.chunk, self.softcap, self.grad)
-
-    def head(self, h):
-        """Hidden states (N, d) -> logits (N, V), through the model's own head (and its soft cap, e.g. Gemma 2's)."""
-        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
-            out = F.linear(h, self.weight, self.bias)
-            return out if not self.softcap else torch.tanh(out / self.softcap) * self.softcap
-
-
-def per_position(f, *xs):
-    """f on every position's logits -> (B, T). xs are (B, T, V) logits (tensors or Logits) or
-    (B, T) tensors (e.g. the sampled tokens); f maps their (N, V) / (N,) slices to (N,).
-
-    Tensors only: f(*xs) in one go. With Logits, `chunk` positions of the flattened batch at a time,
-    each chunk's logits recomputed in the backward pass (activation checkpointing): what the
-    chunks add up to is the same, but no more than one chunk's (chunk, V) logits are alive at once."""
-    lazy = [x for x in xs if isinstance(x, Logits)]
-    if not lazy:
-        return f(*xs)
-    B, T, chunk = *lazy[0].shape[:2], lazy[0].chunk
-    flat = [x.h.reshape(B * T, x.h.shape[-1]) if isinstance(x, Logits) else x.reshape(B * T, *x.shape[2:]) for x in xs]
-
-    def piece(*rows):  # one chunk of positions, its logits made here and dropped on return
-        return f(*[x.head(r) if isinstance(x, Logits) else r for x, r in zip(xs, rows)])
-
-    track = torch.is_grad_enabled() and any(x.grad and (x.h.requires_grad or x.weight.requires_grad) for x in lazy)
-    out = [checkpoint(piece, *[x[i:i + chunk] for x in flat], use_reentrant=False) if track else
-           piece(*[x[i:i + chunk] for x in flat]) for i in range(0, B * T, chunk)]
-    return torch.cat(out).view(B, T) if out else lazy[0].h.new_zeros(B, T, dtype=torch.float32)
 
 
 def token_logp(logits, y):
@@ -171,9 +126,9 @@ class Composer(nn.Module):
 
     The frozen model's hidden states h (N, L, d) over "task to solve: x / reference past
     trajectory: m_j" are mean-pooled into K contiguous segments, then an MLP (d -> 2d -> d)
-    maps each pooled vector into the model's input-embedding space. We use an MLP where
-    the paper uses a Q-Former with 32 learned queries: the user asked for an MLP, and with
-    K = 4 segments the pooling already gives each latent its own slice of the experience.
+    maps each pooled vector into the model's input-embedding space: each latent summarises its
+    own slice of the experience. The default; the paper's composer is a Q-Former with learned
+    queries (QFormer below, --composer qformer).
     """
 
     def __init__(self, d, K, scale=0.05):
@@ -196,7 +151,7 @@ class Composer(nn.Module):
 
     def from_pooled(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
-        A frozen reading does not change, so it can be pooled once and reused (methods.cold_start)."""
+        A frozen reading does not change, so it can be pooled once and reused (lopd_method.cold_start)."""
         return self.mlp(pooled)
 
 
@@ -359,3 +314,51 @@ def ema_update(teacher, student, rate):
     """θ_T ← (1 − rate) θ_T + rate θ, parameter by parameter (SDPO: rate 0.05)."""
     for pt, ps in zip(teacher.parameters(), student.parameters()):
         pt.lerp_(ps, rate)
+
+
+# ----------------------------------------------------------------------------- scoring in chunks (--model)
+
+class Logits:
+    """(B, T, V) logits that are never held whole: the last hidden states h (B, T, d) and the LM
+    head, read `chunk` positions at a time by `per_position`. At V = 151,936 one (B, T, V) float32
+    tensor of a 4 × 2,048 batch is 5 GB, and a divergence holds several. `detach()` gives the
+    teacher's view: no graph, and the head's weight frozen as it was when the teacher scored."""
+
+    def __init__(self, h, weight, bias=None, chunk=256, softcap=None, grad=True):
+        self.h, self.weight, self.bias, self.chunk, self.softcap, self.grad = h, weight, bias, chunk, softcap, grad
+        self.shape = (*h.shape[:-1], weight.shape[0])
+
+    def detach(self):
+        keep = lambda w: None if w is None else w.detach().clone() if w.requires_grad else w.detach()
+        return Logits(self.h.detach(), keep(self.weight), keep(self.bias), self.chunk, self.softcap, grad=False)
+
+    def __getitem__(self, rows):  # a subset of rollouts, as a tensor's logits[keep] is
+        return Logits(self.h[rows], self.weight, self.bias, self.chunk, self.softcap, self.grad)
+
+    def head(self, h):
+        """Hidden states (N, d) -> logits (N, V), through the model's own head (and its soft cap, e.g. Gemma 2's)."""
+        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            out = F.linear(h, self.weight, self.bias)
+            return out if not self.softcap else torch.tanh(out / self.softcap) * self.softcap
+
+
+def per_position(f, *xs):
+    """f on every position's logits -> (B, T). xs are (B, T, V) logits (tensors or Logits) or
+    (B, T) tensors (e.g. the sampled tokens); f maps their (N, V) / (N,) slices to (N,).
+
+    Tensors only: f(*xs) in one go. With Logits, `chunk` positions of the flattened batch at a time,
+    each chunk's logits recomputed in the backward pass (activation checkpointing): what the
+    chunks add up to is the same, but no more than one chunk's (chunk, V) logits are alive at once."""
+    lazy = [x for x in xs if isinstance(x, Logits)]
+    if not lazy:
+        return f(*xs)
+    B, T, chunk = *lazy[0].shape[:2], lazy[0].chunk
+    flat = [x.h.reshape(B * T, x.h.shape[-1]) if isinstance(x, Logits) else x.reshape(B * T, *x.shape[2:]) for x in xs]
+
+    def piece(*rows):  # one chunk of positions, its logits made here and dropped on return
+        return f(*[x.head(r) if isinstance(x, Logits) else r for x, r in zip(xs, rows)])
+
+    track = torch.is_grad_enabled() and any(x.grad and (x.h.requires_grad or x.weight.requires_grad) for x in lazy)
+    out = [checkpoint(piece, *[x[i:i + chunk] for x in flat], use_reentrant=False) if track else
+           piece(*[x[i:i + chunk] for x in flat]) for i in range(0, B * T, chunk)]
+    return torch.cat(out).view(B, T) if out else lazy[0].h.new_zeros(B, T, dtype=torch.float32)

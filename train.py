@@ -24,7 +24,7 @@ Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and
 never binds (the loss is the clipped objective all the same); LOPD's teacher forward is run
 once with φ's graph kept and reused by the student phase (detached) and the composer phase,
 which gives the same numbers as two separate forwards; the latents sit in the text context's
-slot, framed as the text is (methods.latent_frame); a tiny Llama with a small BPE vocabulary
+slot, framed as the text is (lopd_method.latent_frame); a tiny Llama with a small BPE vocabulary
 learned offline and toy environments stand in for a 4B model and EnvScaler.
 """
 import argparse

@@ -18,6 +18,7 @@ from tqdm import tqdm
 import bookkeeping as bk
 import envs
 import lopd
+import lopd_method
 import methods
 import model as M
 
@@ -95,7 +96,7 @@ _TEXTS = {}
 
 def _tokenizer_texts(env, n):
     rng, (pool, by_family) = random.Random(4321), warmup_pool(env)
-    texts = [methods.READING_FRAME]
+    texts = [lopd_method.READING_FRAME]
     for t in rng.sample(pool, n):
         ep, ctx = warmup_demo(env, t, by_family, rng, 0.5)
         texts += [t.prompt, ctx or '', *(x for turn in ep.turns for x in turn)]

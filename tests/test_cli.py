@@ -121,7 +121,7 @@ def test_help_lists_every_flag_in_groups(procs):
     assert all(m in out for m in methods.METHODS)
     # the run, the model and warm-up, then each set of methods' own flags, with the flags under their group
     groups = [line for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert groups[1:4] == ["the run:", "the model and the warm-up:", "only for lopd, opsd, sdpo, sdft, trajtext, sod, acsd:"]
+    assert groups[1:4] == ["the run:", "the model and the warm-up:", "only for lopd, trajtext, opsd, sdpo, sdft, sod, acsd:"]
     assert "only for lopd:" in groups and "only for skillsd:" in groups and "only for acsd:" in groups
     lopd_only = out[out.index("only for lopd:"):]
     assert "--margin" in lopd_only.split("\n\n")[0] and "--k3_coef" not in lopd_only.split("\n\n")[0]

@@ -16,6 +16,8 @@ import bookkeeping as bk  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
 import methods  # noqa: E402
+import lopd_method  # noqa: E402
+import variants  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
@@ -117,7 +119,7 @@ def test_trajtext_shows_the_same_experiences_lopd_retrieves(env):
               for e in wins])
     run = fake_run(env, "trajtext", state={"bank": bank})
     eps = [env.reset(t) for t in env.train_tasks[:3]]
-    texts = methods.trajtext_context(run, eps)
+    texts = lopd_method.trajtext_context(run, eps)
     found = bank.retrieve([e.task.prompt for e in eps], [e.task.task_id for e in eps], 3)
     for t, f, e in zip(texts, found, eps):
         assert len(f) == 3 and all(m.text in t for m in f)
@@ -309,7 +311,7 @@ def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out,
     a, b = run.env.train_tasks[0], next(t for t in run.env.train_tasks if t.family == run.env.train_tasks[0].family
                                          and t.task_id != run.env.train_tasks[0].task_id)
     win = played(run.env, a, True)
-    run.state["bank"] = methods.new_bank(run)
+    run.state["bank"] = lopd_method.new_bank(run)
     run.state["bank"].add([retrieval.Experience(a.task_id, a.family, a.prompt, run.env.trajectory_text(win), 1.0)] * 3)
     torch.manual_seed(0)
     eps, bodies, masks = train.rollout(run.model, run.tok, run.env, [a, b])
@@ -321,8 +323,8 @@ def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out,
     only_b = lopd.distill_loss(logits_s[1:], teacher.logits[1:], batch.amask[1:], "rkl")
     torch.testing.assert_close(methods.distill(run, batch, logits_s, teacher), only_b)
     seen = []
-    monkeypatch.setattr(methods, "optimizer_step", lambda run, opt, loss, module: seen.append(loss))
-    methods.composer_phase(run, batch, logits_s.detach(), teacher)
+    monkeypatch.setattr(lopd_method, "optimizer_step", lambda run, opt, loss, module: seen.append(loss))
+    lopd_method.composer_phase(run, batch, logits_s.detach(), teacher)
     want, _, _ = lopd.composer_loss(logits_s.detach()[1:], teacher.logits[1:], batch.ids[1:], batch.amask[1:],
                                     batch.reward[1:], 0.0, run.args.margin, run.args.lam, teacher.context.z,
                                     teacher.context.z0)
@@ -346,7 +348,7 @@ def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
             run.args.opsd_context = setting
             if m.context is not None and name not in ("lopd", "acsd"):  # latents and a steering vector: no text
                 shown |= {t.split(":")[0] for t in m.context(run, eps) if t}
-    shown.add(methods.psp_hint(eps[1]).split(":")[0])
+    shown.add(variants.psp_hint(eps[1]).split(":")[0])
     pool, by_family = warmup.warmup_pool(env)
     rng, taught = random.Random(0), set()
     for _ in range(400):

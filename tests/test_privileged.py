@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import methods  # noqa: E402
+import lopd_method  # noqa: E402
 import model as M  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
@@ -112,7 +113,7 @@ def lopd_run(tok, model, K=3, reader="frozen"):
                                 args=types.SimpleNamespace(K=K, J=3, composer="mlp", lr=0.0, lr_composer=1e-3, reader=reader,
                                                            bank_capacity=100, allow_same_task=False, embedder="ngram",
                                                            rerank="none"))
-    run.state = methods.lopd_state(run)
+    run.state = lopd_method.lopd_state(run)
     return run
 
 
@@ -125,12 +126,12 @@ def test_latent_frame_puts_latents_where_the_text_context_puts_each_experience(t
             retrieval.Experience("b", "quandle X", "quandle ed", "team(ed) -> red; lead(red) -> cy; answer cy", 1.0)]
     run = lopd_run(tok, model)
     zs = [M.embed(model, torch.tensor(tok.encode(methods.experience_line(m.task, m.text)))) for m in exps]
-    frame = methods.latent_frame(run, zs)
+    frame = lopd_method.latent_frame(run, zs)
     text = M.text_prefix(model, tok, [methods.experiences_text([(m.task, m.text) for m in exps])])[0]
     assert torch.equal(frame, text)
     # and with K latents each: 4 framing tokens, then K + 1 per experience (its latents and a '\n')
     K = 3
-    frame = methods.latent_frame(run, [torch.randn(K, 16) for _ in exps])
+    frame = lopd_method.latent_frame(run, [torch.randn(K, 16) for _ in exps])
     head = len([tok.bos, tok.ctx] + tok.encode("past:"))
     assert frame.shape[0] == head + len(exps) * (K + 1)
     nl = M.embed(model, torch.tensor(tok.encode("\n")))[0]
@@ -157,7 +158,7 @@ def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, to
     tasks = env.train_tasks[:4]
     run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:40]])
     eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in tasks]
-    ctx = methods.latents(run, eps, grad=True)
+    ctx = lopd_method.latents(run, eps, grad=True)
     bodies, masks = zip(*[M.encode_episode(tok, e) for e in eps])
     ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, "cpu")
     logits_t = M.logits_on(teacher, methods.with_default(run, ctx), ids, attn)
@@ -171,7 +172,7 @@ def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, to
     for m in (teacher, model, s["composer0"], s["reader0"]):
         assert all(p.grad is None for p in m.parameters())
     assert {id(p) for g in s["opt_phi"].param_groups for p in g["params"]} == \
-        {id(p) for p in methods.phi_params(s["composer"], s["reader"])}
+        {id(p) for p in lopd_method.phi_params(s["composer"], s["reader"])}
 
 
 def test_retrieval_can_exclude_the_querys_family():
@@ -184,7 +185,7 @@ def test_retrieval_can_exclude_the_querys_family():
 
 @pytest.mark.parametrize("reader", ["frozen", "trained"])
 def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, reader):
-    """The cold start reads each row's experiences once (methods.frozen_reading) and reuses the
+    """The cold start reads each row's experiences once (lopd_method.frozen_reading) and reuses the
     pooled reading at every step: the latents, z0 and their gradients must be what compose makes
     reading afresh; with an empty bank there is nothing to read."""
     torch.manual_seed(0)
@@ -193,20 +194,20 @@ def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, 
     run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:12]])
     eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in env.train_tasks[:4]]
     rows = [(e, None, None) for e in eps]
-    cached = methods.frozen_reading(run, rows)
-    assert [f for f, _ in cached] == methods.retrieve(run, [e.task for e in eps])
+    cached = lopd_method.frozen_reading(run, rows)
+    assert [f for f, _ in cached] == lopd_method.retrieve(run, [e.task for e in eps])
     assert [r.shape[0] for _, r in cached] == [len(f) for f, _ in cached]
-    fresh = methods.latents(run, eps, grad=True)
-    reused = methods.latents(run, eps, grad=True, found=[f for f, _ in cached], read0=torch.cat([r for _, r in cached]))
+    fresh = lopd_method.latents(run, eps, grad=True)
+    reused = lopd_method.latents(run, eps, grad=True, found=[f for f, _ in cached], read0=torch.cat([r for _, r in cached]))
     torch.testing.assert_close(reused.z, fresh.z)
     torch.testing.assert_close(reused.z0, fresh.z0)
-    g_fresh = torch.autograd.grad(fresh.z.square().sum(), methods.phi_params(run.state["composer"], run.state["reader"]),
+    g_fresh = torch.autograd.grad(fresh.z.square().sum(), lopd_method.phi_params(run.state["composer"], run.state["reader"]),
                                   allow_unused=True)
-    g_reused = torch.autograd.grad(reused.z.square().sum(), methods.phi_params(run.state["composer"], run.state["reader"]),
+    g_reused = torch.autograd.grad(reused.z.square().sum(), lopd_method.phi_params(run.state["composer"], run.state["reader"]),
                                    allow_unused=True)
     for a, b in zip(g_fresh, g_reused):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
-    empty = methods.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
+    empty = lopd_method.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
     assert all(f == [] and r.shape == (0, 3, 16) for f, r in empty)

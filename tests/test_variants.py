@@ -15,6 +15,7 @@ import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
 import methods  # noqa: E402
+import variants  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedb
     texts = lambda model, tok, t: [("hint", x) for x in t]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(M, "text_prefix", texts)
-        eps, bodies, masks = methods.psp_sample(run, [a] * 4 + [b] * 4, rollout)
+        eps, bodies, masks = variants.psp_sample(run, [a] * 4 + [b] * 4, rollout)
     assert len(calls) == 2 and calls[0][1] is None
     assert calls[1][0] == [a.task_id] * 4
     assert calls[1][1] == [("hint", "feedback: the answer 'wrong0' is wrong\n")] * 4
@@ -55,7 +56,7 @@ def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedb
 
 def test_turn_ids_number_the_runs_of_agent_tokens():
     amask = torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1], [1, 1, 1, 1, 0, 0, 0, 0]])
-    assert methods.turn_ids(amask).tolist() == [[0, 1, 1, 0, 0, 2, 0, 3], [1, 1, 1, 1, 0, 0, 0, 0]]
+    assert variants.turn_ids(amask).tolist() == [[0, 1, 1, 0, 0, 2, 0, 3], [1, 1, 1, 1, 0, 0, 0, 0]]
 
 
 def slow_sod_weights(d, amask, tau):
@@ -83,7 +84,7 @@ def test_sod_weights_match_a_loop_over_turns(tau):
     torch.manual_seed(0)
     d = torch.rand(3, 9, dtype=torch.float64) * 2
     amask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, 0], [1, 0, 1, 0, 1, 0, 1, 0, 1], [0, 0, 0, 1, 1, 1, 1, 1, 0]])
-    torch.testing.assert_close(methods.sod_weights(d, amask, tau), slow_sod_weights(d, amask, tau))
+    torch.testing.assert_close(variants.sod_weights(d, amask, tau), slow_sod_weights(d, amask, tau))
 
 
 def test_sod_weights_by_hand():
@@ -91,12 +92,12 @@ def test_sod_weights_by_hand():
     the loss keeps the low-divergence turn's tokens and attenuates the other's."""
     d = torch.tensor([[0.1, 0.1, 0.0, 0.2, 0.4]])
     amask = torch.tensor([[1, 1, 0, 1, 1]])
-    w = methods.sod_weights(d, amask)
+    w = variants.sod_weights(d, amask)
     torch.testing.assert_close(w, torch.tensor([[0.5, 0.5, 0, 1.5, 1.5]]).neg().exp() * amask)
 
 
 def test_sod_weights_without_any_agent_token_are_zero():
-    assert methods.sod_weights(torch.rand(2, 4), torch.zeros(2, 4)).tolist() == [[0.0] * 4] * 2
+    assert variants.sod_weights(torch.rand(2, 4), torch.zeros(2, 4)).tolist() == [[0.0] * 4] * 2
 
 
 def test_sod_loss_is_the_turn_weighted_distillation_loss():
@@ -106,7 +107,7 @@ def test_sod_loss_is_the_turn_weighted_distillation_loss():
     run = types.SimpleNamespace(args=types.SimpleNamespace(divergence="", topk=0, sod_tau=0.0), method=methods.METHODS["sod"])
     b = types.SimpleNamespace(amask=amask)
     teacher = methods.Teacher(logits_t, torch.tensor([True, True]), None)
-    loss = methods.sod_loss(run, b, logits_s, teacher)
+    loss = variants.sod_loss(run, b, logits_s, teacher)
     d = lopd.divergence(logits_s, logits_t, "rkl")
     want = (slow_sod_weights(d.detach(), amask.long(), 0.0) * d * amask).sum() / amask.sum()
     torch.testing.assert_close(loss, want)
@@ -124,7 +125,7 @@ def acsd_run(layer, scale=1.0, rate=0.1):
     model = M.tiny_llama(40, d_model=16, n_layer=2, n_head=2)
     run = types.SimpleNamespace(model=model, teacher=train.frozen_copy(model), device="cpu", tok=types.SimpleNamespace(bos=1, head=lambda: [1]),
                                 args=types.SimpleNamespace(steer_layer=layer, steer_scale=scale, steer_rate=rate))
-    run.state = methods.acsd_state(run)
+    run.state = variants.acsd_state(run)
     ids = torch.randint(2, 40, (4, 7))
     amask = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 1, 0]], dtype=torch.float)
     b = methods.Batch([None] * 4, ids, amask, torch.ones(4, 7, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 0.0]))
@@ -164,13 +165,13 @@ def test_acsd_steering_vector_is_the_difference_of_the_running_class_means():
     h = run.model(input_ids=torch.cat([torch.ones(4, 1, dtype=torch.long), b.ids], 1),
                   output_hidden_states=True).hidden_states[1][:, 1:]
     per_rollout = torch.stack([h[i][b.amask[i] > 0].mean(0) for i in range(4)])
-    torch.testing.assert_close(methods.rollout_activations(run, b), per_rollout)
+    torch.testing.assert_close(variants.rollout_activations(run, b), per_rollout)
     run.state["steer"] = torch.zeros(16)
-    methods.update_steer(run, b)
+    variants.update_steer(run, b)
     win, other = per_rollout[[0, 2]].mean(0), per_rollout[[1, 3]].mean(0)
     torch.testing.assert_close(run.state["steer"], win - other)
     b.reward = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    methods.update_steer(run, b)
+    variants.update_steer(run, b)
     win2, other2 = 0.75 * win + 0.25 * per_rollout[:3].mean(0), 0.75 * other + 0.25 * per_rollout[3]
     torch.testing.assert_close(run.state["steer"], win2 - other2)
     assert run.state["seen"] == [5, 3]
@@ -220,7 +221,7 @@ def test_vaspo_gae_matches_a_loop(lam):
     values = torch.rand(3, 8, dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1]])
     reward = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
-    adv = methods.gae(values, reward, mask, lam)
+    adv = variants.gae(values, reward, mask, lam)
     torch.testing.assert_close(adv, slow_gae(values, reward, mask, lam))
     if lam == 1.0:  # the Monte Carlo advantage r − V_t
         torch.testing.assert_close(adv, (reward[:, None] - values) * mask)
@@ -235,8 +236,8 @@ def test_vaspo_advantages_the_bounded_teacher_ratio_and_where_gradients_go(out, 
     b = batch_of(run)
     teacher = train.teacher_phase(run, b)
     logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, 4), b.ids, b.attn)
-    loss = methods.vaspo_loss(run, b, logits_s, teacher)
-    V = methods.critic_values(run, teacher.context, b).detach()
+    loss = variants.vaspo_loss(run, b, logits_s, teacher)
+    V = variants.critic_values(run, teacher.context, b).detach()
     adv = slow_gae(V.double(), b.reward.double(), b.amask, 0.9).float()
     logp_s, logp_t = lopd.token_logp(logits_s, b.ids).detach(), lopd.token_logp(teacher.logits, b.ids)
     ratio = torch.exp(logp_t - logp_s).clamp(0.8, 1.2)
@@ -247,10 +248,10 @@ def test_vaspo_advantages_the_bounded_teacher_ratio_and_where_gradients_go(out, 
     assert run.state["critic"].weight.grad is None and any(p.grad is not None for p in run.model.parameters())
     run.model.zero_grad(set_to_none=True)
     seen = []
-    monkeypatch.setattr(methods, "optimizer_step", lambda run, opt, loss, module: seen.append((loss, module)))
-    methods.vaspo_after_step(run, b, logits_s.detach(), teacher)
+    monkeypatch.setattr(variants, "optimizer_step", lambda run, opt, loss, module: seen.append((loss, module)))
+    variants.vaspo_after_step(run, b, logits_s.detach(), teacher)
     (value_loss, module), = seen
-    V = methods.critic_values(run, teacher.context, b)
+    V = variants.critic_values(run, teacher.context, b)
     torch.testing.assert_close(value_loss, ((V - b.reward[:, None]) ** 2 * b.amask).sum() / b.amask.sum())
     value_loss.backward()
     assert module is run.state["critic"] and run.state["critic"].weight.grad is not None
