@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm import tqdm
 
-import lopd_method
 import methods  # the registry: the entries, tuning grids and costs all come from it
+import lopd_method  # noqa: E402 (after methods, which imports it)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,6 +6,8 @@ train.teacher_phase and train.student_phase on it, as for every method; 6-7 (the
 the write-back) are the after-step hook. Before training, once: the cold start (fill the bank,
 pre-train the composer φ). The math (the composer, the margin, the losses) is in lopd.py.
 Traj-text, the ablation that shows the same retrieved experiences as text, is at the end.
+methods.py imports this file (import methods, not this file, first: LOPD is then registered
+first, and listed first in -h).
 """
 import copy
 import random

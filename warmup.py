@@ -18,8 +18,8 @@ from tqdm import tqdm
 import bookkeeping as bk
 import envs
 import lopd
+import methods  # before lopd_method: methods imports it, so that LOPD is registered first
 import lopd_method
-import methods
 import model as M
 
 WARMUP_THREADS = 2
