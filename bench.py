@@ -504,8 +504,8 @@ def pi_utility(run, eps, bodies, masks, ctx, rows=50):
     per = []
     for i in range(0, len(eps), rows):
         ids, amask, attn = M.pad_batch(bodies[i:i + rows], masks[i:i + rows], run.tok.pad, run.device)
-        logits_t = M.logits_on(run.teacher, methods.with_default(run, ctx[i:i + rows]), ids, attn)
-        logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn)
+        logits_t = M.logits_on(run.teacher, methods.with_default(run, ctx[i:i + rows]), ids, attn, run.args.score_chunk)
+        logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn, run.args.score_chunk)
         d = lopd.divergence(logits_s, logits_t, 'rkl')
         per += ((d * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
     kept = [(k, e.success) for k, e, p in zip(per, eps, ctx) if p is not None]

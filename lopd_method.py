@@ -199,7 +199,7 @@ def cold_start_nll(run, ctx, ids, amask, attn):
     """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
     composed from their retrieved experiences."""
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
-    logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
+    logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
     return lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
 
 
@@ -211,8 +211,8 @@ def cold_start_text(run, ctx, ids, amask, attn):
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     with torch.no_grad():
         text = M.text_prefix(run.teacher, run.tok, [bank_text(f) for f in ctx.found])
-        logits_text = M.logits_on(run.teacher, text, ids, attn)
-    logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn)
+        logits_text = M.logits_on(run.teacher, text, ids, attn, run.args.score_chunk)
+    logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
     return lopd.masked_mean(lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask))
 
 
@@ -268,11 +268,10 @@ register('lopd', Method(
            'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
                          after_setup=True),
            'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
-           'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; at the student's 1e-3 the KL term "
-                              "pulls the teacher onto the student within 16 steps; 0 = the student's)", lo=0,
-                              after_setup=True),
+           'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
+                              "KL term pulls the teacher onto the student)", lo=0, after_setup=True),
            'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
-           'cold_start_steps': arg(100, 'composer pre-training steps (tool use: 100, teacher gap +16, 300: +23; codegen: 300, +18.5)', lo=0),
+           'cold_start_steps': arg(100, 'composer pre-training steps (the paper: 1,000)', lo=0),
            'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
                              "the same experiences as text (the default: its other-family control stays flat); nll = the "
                              "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),

@@ -476,16 +476,12 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
     return out
 
 
-SCORE_CHUNK = 0  # positions per chunk through the LM head (0 = all at once); train.build sets it from --score_chunk
-
-
-def logits_on(model, prefixes, ids, attn, chunk=None):
+def logits_on(model, prefixes, ids, attn, chunk=0):
     """Score every prefix of the trajectories in one forward: (B, T, V), where row i,
     position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t.
 
-    chunk > 0 (default SCORE_CHUNK): a lopd.Logits, the last hidden states and the LM head, that
+    chunk > 0 (a run's --score_chunk): a lopd.Logits, the last hidden states and the LM head, that
     the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch."""
-    chunk = SCORE_CHUNK if chunk is None else chunk
     E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
     if not chunk:
         logits, _ = forward(model, E, mask)

@@ -219,13 +219,13 @@ def teacher_phase(run, b):
     with torch.set_grad_enabled(run.teacher is not run.model):
         ctx = methods.embed_context(run, run.method.context(run, b.eps))
         keep = torch.tensor([p is not None for p in ctx])                        # (B,) no context: no teacher
-        return methods.Teacher(M.logits_on(run.teacher, methods.with_default(run, ctx), b.ids, b.attn), keep, ctx)
+        return methods.Teacher(M.logits_on(run.teacher, methods.with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
 
 
 def student_phase(run, b, teacher):
     """Step 5: one step of θ on the method's loss; the student scores every prefix in one forward.
     -> the student's logits (detached, for an after-step hook) and the loss."""
-    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn)   # (B, T, V)
+    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk)   # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
     bk.optimizer_step(run, run.opt, loss, run.model)
@@ -312,7 +312,6 @@ def build(args):
         run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
     except ValueError as e:  # a chat template that is not one layout
         die(f'--model {args.model}: {e}')
-    M.SCORE_CHUNK = args.score_chunk
     if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
         run.model = M.with_lora(run.model, run.tok, args.lora_r)
     run.model.to(run.device)

@@ -14,6 +14,7 @@ from bookkeeping import arg, die, optimizer_step
 from methods import (DISTILL_FLAGS, DISTILL_LR, OPSD_FLAGS, TEACHER_FLAGS, Batch, Method, build_pool, distill, grpo_loss,
                      opsd_context, pool_state, register)
 
+
 # ----------------------------------------------------------------------------- PSP (Privileged Self-Practice)
 # The privileged information goes into the *sampling* prompt, never into a loss: a task whose G
 # rollouts all failed is sampled G times again with a hint in the student's own context, and the
@@ -123,7 +124,7 @@ def rollout_activations(run, b):
     before the steering hook adds v (prepend=True) -> (B, d)."""
     seen = []
     hook = steered_layer(run).register_forward_pre_hook(lambda module, args: seen.append(args[0]), prepend=True)
-    M.logits_on(run.teacher, M.bos_prefix(run.teacher, run.tok, len(b.eps)), b.ids, b.attn)
+    M.logits_on(run.teacher, M.bos_prefix(run.teacher, run.tok, len(b.eps)), b.ids, b.attn, run.args.score_chunk)
     hook.remove()
     m = b.amask[..., None].to(seen[0])
     return (seen[0][:, len(run.tok.head()):] * m).sum(1) / m.sum(1).clamp(min=1)   # after the head (<|bos|>)

