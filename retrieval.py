@@ -30,6 +30,8 @@ from typing import Callable
 import numpy as np
 from sklearn.feature_extraction.text import HashingVectorizer
 
+import sandbox
+
 FORMAT_VERSION = 1  # bumped if the saved layout changes, so old files fail loudly
 
 
@@ -132,20 +134,19 @@ def execution_rerank(task: str, candidates: list[Experience]) -> list[float]:
     """Code generation's reranker: the fraction of the task's shown examples that each candidate's
     program (its trajectory: a stored success is its passing program) reproduces. Same family and
     same constant = the same function, so the relation embedder's shortlist is sorted by what
-    solves *this* task. The programs are model output: they run only through envs.safe_eval's
+    solves *this* task. The programs are model output: they run only through sandbox.safe_eval's
     checks and interpreter, each program compiled once; the cost per query is at most
     rerank_pool × 3 runs, each within the evaluator's step budget."""
-    import envs  # here, not at the top: retrieval.py needs no environment otherwise
     examples = parse_examples(task)
     if not examples:
         return [0.0] * len(candidates)
 
     def reproduced(program):
-        lam, reason = envs.compile_program(program)
+        lam, reason = sandbox.compile_program(program)
         if reason:
             return 0.0
-        runs = [envs.run_program(lam, x) for x, _ in examples]  # (value, error) each, never raises
-        return sum(err is None and envs.code_repr(got) == envs.code_repr(y)
+        runs = [sandbox.run_program(lam, x) for x, _ in examples]  # (value, error) each, never raises
+        return sum(err is None and sandbox.code_repr(got) == sandbox.code_repr(y)
                    for (got, err), (_, y) in zip(runs, examples)) / len(examples)
 
     score = {}  # the same program is run once, however many experiences hold it

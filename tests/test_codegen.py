@@ -1,5 +1,5 @@
 """Code generation environment: the experts, the multi-turn protocol, and the safe
-evaluator against Python's own eval (benign programs) and a corpus of hostile ones."""
+evaluator (sandbox.py) against Python's own eval (benign programs) and a corpus of hostile ones."""
 import os
 import random
 import threading
@@ -9,10 +9,9 @@ from collections import defaultdict
 import pytest
 from hypothesis import given, settings, strategies as st
 
-# when merged into envs.py, both lines become `envs` (import envs as cg; from envs import ...)
-import envs as cg
-from envs import CodeGen, check_program, code_repr, compile_program, run_tests, safe_eval
-from envs import play
+import sandbox
+from envs import CodeGen, play
+from sandbox import check_program, code_repr, run_tests, safe_eval
 
 ENV = CodeGen(n_train=1200, n_eval=240)
 
@@ -216,7 +215,7 @@ def test_hostile_reasons_are_specific():
 def test_parser_failures_are_caught(monkeypatch):
     # with the length limit lifted, ast.parse itself fails on deep nesting (SyntaxError,
     # RecursionError or MemoryError, by Python version): it must still be a reason, not a crash
-    monkeypatch.setattr(cg, 'MAX_PROGRAM_CHARS', 10 ** 7)
+    monkeypatch.setattr(sandbox, 'MAX_PROGRAM_CHARS', 10 ** 7)
     for src in ['lambda x: ' + '(' * 10 ** 5 + ')' * 10 ** 5, 'lambda x: ' + '-' * 10 ** 6 + 'x',
                 'lambda x: ' + '[' * 10 ** 5 + ']' * 10 ** 5, 'lambda x: ' + 'not ' * 10 ** 5 + 'x']:
         assert check_program(src)
@@ -294,7 +293,7 @@ def test_fuzz_differential_against_python(src, x):
     """Where our evaluator returns a value, it is Python's value (so Python's eval is safe to
     run here: every operation was already done, bounded, by ours). Ours may refuse more
     (size and step limits, eager generators)."""
-    if len(src) > cg.MAX_PROGRAM_CHARS:
+    if len(src) > sandbox.MAX_PROGRAM_CHARS:
         return
     reason = check_program(src)
     if reason:  # the grammar can use v outside a comprehension
