@@ -483,7 +483,7 @@ def logits_on(model, prefixes, ids, attn, chunk=0):
     chunk > 0 (a run's --score_chunk): a lopd.Logits, the last hidden states and the LM head, that
     the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch."""
     E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
-    if not chunk:
+    if chunk <= 0:  # 0, or a config's unresolved -1 ('auto': train.parse_args makes it 0 or 256)
         logits, _ = forward(model, E, mask)
         return logits[:, P - 1:P - 1 + ids.shape[1]]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
