@@ -124,7 +124,8 @@ def acsd_run(layer, scale=1.0, rate=0.1):
     torch.manual_seed(0)
     model = M.tiny_llama(40, d_model=16, n_layer=2, n_head=2)
     run = types.SimpleNamespace(model=model, teacher=train.frozen_copy(model), device="cpu", tok=types.SimpleNamespace(bos=1, head=lambda: [1]),
-                                args=types.SimpleNamespace(steer_layer=layer, steer_scale=scale, steer_rate=rate))
+                                args=types.SimpleNamespace(steer_layer=layer, steer_scale=scale, steer_rate=rate,
+                                                            score_chunk=0))
     run.state = variants.acsd_state(run)
     ids = torch.randint(2, 40, (4, 7))
     amask = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 1, 0]], dtype=torch.float)
