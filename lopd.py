@@ -143,13 +143,13 @@ class Composer(nn.Module):
 
     def forward(self, h, mask):
         """h (N, L, d), mask (N, L) -> z (N, K, d)."""
-        return self.from_pooled(segment_pool(h, mask, self.K))
+        return self.from_reading(segment_pool(h, mask, self.K))
 
     def read(self, h, e, mask):
         """What φ keeps of a reading: h (N, L, d) over mask (N, L); e (the token embeddings) unused."""
         return segment_pool(h, mask, self.K)
 
-    def from_pooled(self, pooled):
+    def from_reading(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
         A frozen reading does not change, so it can be pooled once and reused (lopd_method.cold_start)."""
         return self.mlp(pooled)
@@ -184,7 +184,7 @@ class QFormer(nn.Module):
             out[i, :len(idx)] = torch.cat([h[i, idx], e[i, idx], h.new_ones(len(idx), 1)], -1)
         return out
 
-    def from_pooled(self, read):
+    def from_reading(self, read):
         """(N, L, 2d + 1) -> z (N, K, d)."""
         d = (read.shape[-1] - 1) // 2
         h, e, mask = read[..., :d], read[..., d:2 * d], read[..., -1]

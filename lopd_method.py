@@ -80,18 +80,19 @@ def compose(run, tasks, found, grad, read0=None):
         return empty, empty
     s = run.state
     with torch.no_grad():
-        read0 = reading(run, tasks, found, s['reader0'] or run.teacher) if read0 is None else read0  # (N, K, d)
-        z0 = s['composer0'].from_pooled(read0)                                  # (N, K, d) the anchor's target
+        read0 = reading(run, tasks, found, s['reader0'] or run.teacher) if read0 is None else read0  # composer.read's
+        z0 = s['composer0'].from_reading(read0)                                 # (N, K, d) the anchor's target
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
         read = reading(run, tasks, found, s['reader']) if s['reader'] is not None else read0
-        z = s['composer'].from_pooled(read)                                     # (N, K, d)
+        z = s['composer'].from_reading(read)                                    # (N, K, d)
     return z.reshape(-1, d), z0.reshape(-1, d)
 
 
 def reading(run, tasks, found, reader):
     """The reader's hidden states over each retrieved experience, pooled into K segments. We pool
     over the experience's own tokens only (read in the light of the task): pooled over the framing
-    too, the first segments would describe the framing, not the plan. -> (N, K, d), N = Σ_i |found_i|."""
+    too, the first segments would describe the framing, not the plan. -> what composer.read keeps of
+    it (the MLP: (N, K, d)), N = Σ_i |found_i|."""
     heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
     bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
     ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
@@ -246,7 +247,7 @@ def cold_start(run, rollout):
 
 @torch.no_grad()
 def frozen_reading(run, rows):
-    """-> per row (what it retrieves, its frozen reading pooled (J_i, K, d)), as compose would make them."""
+    """-> per row (what it retrieves, its frozen reading, as composer.read keeps it), as compose would make them."""
     tasks = [r[0].task for r in rows]
     found = retrieve(run, tasks)
     if not any(found):

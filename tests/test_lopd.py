@@ -431,7 +431,7 @@ def test_qformer_matches_a_loop_and_a_sharp_query_copies_one_token():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0], [1] * 9, [0, 1, 0, 0, 0, 0, 0, 0, 0]])
     with torch.no_grad():
         c.mlp[-1].weight.normal_()  # the MLP starts at zero; check its part too
-    z = c.from_pooled(c.read(h, e, mask))
+    z = c.from_reading(c.read(h, e, mask))
     for i in range(N):
         idx = [j for j in range(L) if mask[i, j]]
         for k in range(K):
@@ -443,7 +443,7 @@ def test_qformer_matches_a_loop_and_a_sharp_query_copies_one_token():
         c.mlp[-1].weight.zero_()
         c.q.copy_(torch.zeros(K, d, dtype=torch.float64))
         c.q[0] = 1e4 * c.key(h[1, 5]) / c.key(h[1, 5]).norm()
-    z = c.from_pooled(c.read(h, e, mask))
+    z = c.from_reading(c.read(h, e, mask))
     torch.testing.assert_close(z[1, 0], e[1, 5])
     torch.testing.assert_close(z[1, 1], e[1].mean(0))                    # a flat query: the mean of the tokens
 
