@@ -32,8 +32,10 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
                     "each example's input->output relation for code generation)", choices=['', *retrieval.EMBEDDERS]),
     'rerank': arg('', "re-sort the embedder's top 32 ('' = the environment's: none for tool use; for code generation, "
                   "by how many of the task's examples each stored program reproduces)", choices=['', *retrieval.RERANKERS]),
-    'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts (the method), or the scripted "
-                       "expert's demos (a diagnostic upper bound: what the teacher could know)", choices=['rollouts', 'expert']),
+    'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts; pool = the shared pool OPSD "
+                       "is shown (the base's successes, the scripted expert's demo of each task it failed: the paper's "
+                       "'stronger models where coverage is lacking'); expert = the expert's demos only",
+                       choices=['rollouts', 'pool', 'expert']),
 }
 
 READING_FRAME = 'task to solve: {task}\nreference past trajectory: '  # how the composer's reader sees one experience
@@ -164,21 +166,30 @@ def new_bank(run):
 
 def fill_bank(run, rollout):
     """Before training: base rollouts fill the bank (they count toward the budget). -> all of them,
-    as (episode, body, agent mask)."""
+    and the expert's demos it added, as (episode, body, agent mask)."""
     a, rows = run.args, []
     n = max(a.batch, 64)  # no gradient here: a bigger batch only decodes faster
     for i in tqdm(range(0, a.init_episodes, n), desc='fill bank', dynamic_ncols=True):
         with run.timer('rollout'):
             tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
-            if a.bank_source == 'expert':  # the diagnostic upper bound: the scripted expert's demos, not the base's own
-                eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
-                bodies, masks = zip(*[M.encode_episode(run.tok, e) for e in eps])
+            if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
+                eps, bodies, masks = expert_demos(run, tasks)
             else:
                 eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
-        run.episodes += len(eps)
+                if a.bank_source == 'pool':  # the expert covers the tasks the base failed
+                    demos = expert_demos(run, [e.task for e in eps if not e.success])
+                    eps, bodies, masks = (list(x) + list(y) for x, y in zip((eps, bodies, masks), demos))
+        run.episodes += len(tasks)  # the pool's demos of failed tasks are free, as OPSD's pool's are
         write_back(run, eps)
         rows += list(zip(eps, bodies, masks))
     return rows
+
+
+def expert_demos(run, tasks):
+    """The scripted expert's demo of each task, played out: -> (episodes, bodies, agent masks)."""
+    eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
+    encoded = [M.encode_episode(run.tok, e) for e in eps]
+    return eps, [body for body, _ in encoded], [mask for _, mask in encoded]
 
 
 def family_hit(run, eps, found):

@@ -76,6 +76,26 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
     assert all(v == env.trajectory_text(played(env, by_id[k], True)) for k, v in pool.items())  # what succeeded, as it went
 
 
+def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_demo_of_each_failure(env):
+    """--bank_source pool: the base's successes, and for each task it failed the expert's demo (a
+    verified success); only the base's rollouts count toward the budget; held-out tasks never enter."""
+    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None):
+        eps = [played(env, t, i % 3 == 0) for i, t in enumerate(tasks)]
+        return eps, *zip(*[M.encode_episode(tok, e) for e in eps])
+
+    run = fake_run(env, "lopd", episodes=0, model=None, tok=M.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
+                   args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
+                                              bank_capacity=1000, allow_same_task=False))
+    run.state = {"bank": lopd_method.new_bank(run)}
+    rows = lopd_method.fill_bank(run, rollout)
+    bank = run.state["bank"]
+    assert run.episodes == 70 and len(rows) == 70 + sum(not r[0].success for r in rows)
+    assert len(bank.exps) == 70 and all(x.reward == 1.0 for x in bank.exps)       # one verified success per task
+    assert {x.task_id for x in bank.exps} <= {t.task_id for t in env.train_tasks}
+    base_wins = {r[0].task.task_id for r in rows[:64] if r[0].success}
+    assert 0 < len(base_wins) < 64                                             # both kinds are in it
+
+
 def test_sdpo_never_shows_a_rollout_its_own_attempt(env):
     G = methods.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
