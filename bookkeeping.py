@@ -34,8 +34,8 @@ import torch.distributed as dist
 import model as M
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-MODULES = ['bookkeeping.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'retrieval.py',
-           'sandbox.py', 'train.py', 'variants.py', 'warmup.py']
+MODULES = ['bookkeeping.py', 'codegen.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'retrieval.py',
+           'sandbox.py', 'tooluse_v1.py', 'train.py', 'variants.py', 'warmup.py']
 
 
 def fingerprint(files=()):

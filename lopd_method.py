@@ -294,10 +294,9 @@ register('lopd', Method(
            'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
                             choices=['paper', 'centered'], after_setup=True),
            'frozen_composer': arg(False, 'ablation: keep φ at its cold start (no composer phase)', after_setup=True)},
-    bench={'lopd': dict(cost=670, quick=True),
+    bench={'lopd': dict(tune=DISTILL_LR, cost=670, quick=True),
            'lopd-frozen': dict(flags=['--frozen_composer'], cost=280, quick=True),
-           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True)},
-    tune=DISTILL_LR))
+           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- Traj-text (LOPD ablation)
@@ -317,4 +316,4 @@ def trajtext_after_step(run, b, logits_s, teacher):
 register('trajtext', Method(distill, context=trajtext_context, teacher='frozen', group=1, lr=1e-3,
                             state=lambda run: {'bank': new_bank(run)}, setup=fill_bank, after_step=trajtext_after_step,
                             flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **BANK_FLAGS},
-                            bench={'trajtext': dict(cost=430)}, tune=DISTILL_LR))
+                            bench={'trajtext': dict(tune=DISTILL_LR, cost=430)}))

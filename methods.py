@@ -76,8 +76,8 @@ class Method:
     setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
     after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
     flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
-    bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool)
-    tune: list = field(default_factory=lambda: [[]])  # bench.py --tune: settings (flag lists), the default first
+    bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
+    #                                            method's own entry tune=[settings (flag lists), the default first])
 
 
 METHODS: dict = {}
@@ -162,8 +162,8 @@ import lopd_method  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- GRPO (Shao et al. 2024)
 
-register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4, bench={'grpo': dict(cost=160, quick=True)},
-                        tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']]))
+register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4,
+                        bench={'grpo': dict(tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']], cost=160, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- the shared pool of verified successes
@@ -220,10 +220,9 @@ OPSD_FLAGS = {**POOL_FLAGS,
 register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
                         state=pool_state, setup=build_pool,
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
-                        bench={'opsd': dict(cost=550, quick=True),
+                        bench={'opsd': dict(tune=DISTILL_LR, cost=550, quick=True),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
-                                                   cost=550, quick=True)},
-                        tune=DISTILL_LR))
+                                                   cost=550, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- SDPO (lasgroup/SDPO)
@@ -241,8 +240,8 @@ def sdpo_context(run, eps):
 
 
 register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, lr=1e-3,
-                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS}, bench={'sdpo': dict(cost=220)},
-                        tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']]))
+                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS},
+                        bench={'sdpo': dict(tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']], cost=220)}))
 
 
 # ----------------------------------------------------------------------------- SDFT (as the LOPD paper ran it)
@@ -255,7 +254,7 @@ def sdft_context(run, eps):
 register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence='fkl', group=1, lr=1e-3,
                         state=pool_state, setup=build_pool,
                         ema_rate=0.01, flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **POOL_FLAGS},
-                        bench={'sdft': dict(cost=630, quick=True)}, tune=DISTILL_LR))
+                        bench={'sdft': dict(tune=DISTILL_LR, cost=630, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- Skill-SD (Wang et al. 2026)
@@ -333,7 +332,7 @@ register('skillsd', Method(
     skillsd_loss, context=skillsd_context, teacher='live', group=4, lr=1e-4, after_step=skillsd_after_step,
     state=lambda run: {'skills': {}, 'ucb': {}, 'arm': {}, 'shaped': {}},
     flags={**TEACHER_FLAGS, 'k3_coef': arg(0.001, 'weight λ of the importance-weighted k3 term', lo=0, after_setup=True)},
-    bench={'skillsd': dict(cost=290)}, tune=[[], ['--lr', '3e-4'], ['--k3_coef', '0.01']]))
+    bench={'skillsd': dict(tune=[[], ['--lr', '3e-4'], ['--k3_coef', '0.01']], cost=290)}))
 
 
 # ----------------------------------------------------------------------------- the variants

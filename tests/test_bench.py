@@ -13,6 +13,8 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+import gap  # noqa: E402
+import report  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
@@ -45,14 +47,14 @@ def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ck
 
 def test_auc_and_reach_by_hand():
     # the docstring's example: (0.5 * 512 + 0.75 * 512) / 1024
-    assert bench.auc([0, 512, 1024], [0.5, 0.5, 1.0], 1024) == pytest.approx(0.625)
-    assert bench.auc([0, 1024], [1.0, 1.0], 1024) == pytest.approx(1.0)
-    assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.6) == 512
-    assert bench.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.8) is None
+    assert report.auc([0, 512, 1024], [0.5, 0.5, 1.0], 1024) == pytest.approx(0.625)
+    assert report.auc([0, 1024], [1.0, 1.0], 1024) == pytest.approx(1.0)
+    assert report.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.6) == 512
+    assert report.episodes_to_reach([0, 512, 1024], [0.5, 0.6, 0.7], 0.8) is None
 
 
 def slow_bootstrap(values, n_boot=2000, seed=0, level=0.95):
-    """The two-level bootstrap written as loops, with the same draws as bench.bootstrap_ci."""
+    """The two-level bootstrap written as loops, with the same draws as report.bootstrap_ci."""
     v = np.asarray(values, float)
     S, T = v.shape
     rng = np.random.default_rng(seed)
@@ -70,13 +72,13 @@ def slow_bootstrap(values, n_boot=2000, seed=0, level=0.95):
 def test_bootstrap_interval_against_a_slow_reference_and_by_hand():
     rng = np.random.default_rng(1)
     values = rng.random((3, 40)) < [[0.2], [0.5], [0.8]]                         # 3 seeds, 40 tasks, 0/1
-    assert bench.bootstrap_ci(values, n_boot=300) == pytest.approx(slow_bootstrap(values, n_boot=300))
-    mean, lo, hi = bench.bootstrap_ci(np.full((2, 10), 0.25))
+    assert report.bootstrap_ci(values, n_boot=300) == pytest.approx(slow_bootstrap(values, n_boot=300))
+    mean, lo, hi = report.bootstrap_ci(np.full((2, 10), 0.25))
     assert mean == lo == hi == 0.25                                            # nothing varies: no width
-    mean, lo, hi = bench.bootstrap_ci([[0.0, 1.0] * 250])                      # one seed, 500 tasks of p = 0.5
+    mean, lo, hi = report.bootstrap_ci([[0.0, 1.0] * 250])                      # one seed, 500 tasks of p = 0.5
     assert mean == 0.5 and hi - lo == pytest.approx(2 * 1.96 * 0.5 / np.sqrt(500), rel=0.15)
     # the seed level counts: two seeds far apart give a much wider interval than their tasks alone
-    assert np.subtract(*bench.bootstrap_ci([[0.0] * 100, [1.0] * 100])[2:0:-1]) == pytest.approx(1.0)
+    assert np.subtract(*report.bootstrap_ci([[0.0] * 100, [1.0] * 100])[2:0:-1]) == pytest.approx(1.0)
 
 
 def test_summarize_and_reach_on_fake_runs(tmp_path):
@@ -89,10 +91,10 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     fake_run(f"{d}/l2", "lopd", 2, [0, 512, 1024], [0.5, 0.6, 0.4], teacher=0.7, delta=0.4)
     fake_run(f"{d}/o1", "opsd", 1, [0, 512, 1024], [0.5, 0.2, 0.1], teacher=0.0)
     fake_run(f"{d}/x1", "opsd", 2, [0, 512], [0.5, 0.2])                   # short of the budget: left out
-    res = {"grpo": bench.summarize([f"{d}/g1", f"{d}/g2"], 1024),
-           "lopd": bench.summarize([f"{d}/l1", f"{d}/l2"], 1024),
-           "opsd": bench.summarize([f"{d}/o1", f"{d}/x1"], 1024),
-           "sdpo": bench.summarize([f"{d}/missing"], 1024)}
+    res = {"grpo": report.summarize([f"{d}/g1", f"{d}/g2"], 1024),
+           "lopd": report.summarize([f"{d}/l1", f"{d}/l2"], 1024),
+           "opsd": report.summarize([f"{d}/o1", f"{d}/x1"], 1024),
+           "sdpo": report.summarize([f"{d}/missing"], 1024)}
     g, lo, op = res["grpo"], res["lopd"], res["opsd"]
     assert g["final_mean"] == pytest.approx(0.6) and g["final_std"] == pytest.approx(np.std([0.7, 0.5], ddof=1))
     assert op["final"] == [0.1] and op["final_std"] == 0.0 and res["sdpo"] is None
@@ -109,16 +111,16 @@ def test_summarize_and_reach_on_fake_runs(tmp_path):
     assert "teacher_without_context" not in g["diagnostics"]
     assert [e["beta"] for e in lo["evals"][1]] == pytest.approx([0.0, 0.1, 0.2]) and len(lo["evals"]) == 2
     # GRPO's final mean is 0.6: lopd's mean curve reaches it at 256, grpo's own at 1024, opsd never
-    assert bench.add_reach(res) == pytest.approx(0.6)
+    assert report.add_reach(res) == pytest.approx(0.6)
     assert (lo["episodes_to_grpo_final"], g["episodes_to_grpo_final"], op["episodes_to_grpo_final"]) == (256, 1024, None)
     # the paper's accounting: lopd's 256 bank-filling episodes are not counted
     assert (lo["training_episodes_to_grpo_final"], g["training_episodes_to_grpo_final"]) == (0, 1024)
     # GRPO ending at or below the base makes the target meaningless: the table says so
-    low = {"grpo": bench.summarize([f"{d}/g2"], 1024), "opsd": res["opsd"]}
-    assert bench.add_reach(low) == 0.5 and low["opsd"]["episodes_to_grpo_final"] == 0
+    low = {"grpo": report.summarize([f"{d}/g2"], 1024), "opsd": res["opsd"]}
+    assert report.add_reach(low) == 0.5 and low["opsd"]["episodes_to_grpo_final"] == 0
     meta = {"env": "tooluse", "seeds": [1], "episodes": 1024, "command": "c", "commit": "x", "code": "y",
             "forwarded": [], "tuned": False, "flags": {"grpo": [], "opsd": []}, "failed": []}
-    bench.write_results(d, low, meta, 0.5)
+    report.write_results(d, low, meta, 0.5)
     assert "| 0 (GRPO ends ≤ base) / 0 (GRPO ends ≤ base) |" in open(f"{d}/results.md").read()
 
 
@@ -292,8 +294,8 @@ def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
     import importlib
     import methods
     monkeypatch.setitem(methods.METHODS, "grpo2", methods.Method(
-        methods.grpo_loss, teacher="none", group=4, bench={"grpo2": dict(cost=1), "grpo2-slow": dict(flags=["--lr", "1e-5"])},
-        tune=[[], ["--lr", "1e-5"]]))
+        methods.grpo_loss, teacher="none", group=4,
+        bench={"grpo2": dict(cost=1, tune=[[], ["--lr", "1e-5"]]), "grpo2-slow": dict(flags=["--lr", "1e-5"])}))
     b = importlib.reload(bench)
     try:
         assert b.ENTRIES["grpo2"] == ["--method", "grpo2"] and b.ENTRIES["grpo2-slow"] == ["--method", "grpo2", "--lr", "1e-5"]
@@ -345,12 +347,12 @@ def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
 
 
 def test_spearman_against_hand_values():
-    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert bench.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert gap.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert gap.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     # ties get their mean rank: x ranks [0, 1.5, 1.5, 3], y ranks [0, 1, 2, 3] -> Pearson of the ranks
     x, y = np.array([0, 1.5, 1.5, 3]), np.array([0, 1, 2, 3])
-    assert bench.spearman([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(np.corrcoef(x, y)[0, 1])
-    assert bench.spearman([1, 1, 1], [1, 2, 3]) is None and bench.spearman([1, 2], [2, 1]) is None
+    assert gap.spearman([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert gap.spearman([1, 1, 1], [1, 2, 3]) is None and gap.spearman([1, 2], [2, 1]) is None
 
 
 def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
@@ -362,9 +364,9 @@ def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results))
     table = {"student": {"success": 0.5}, "lopd": {"success": 0.8, "kl_success": 0.1, "kl_failure": 0.3},
              "opsd": {"success": 0.6, "kl_success": 0.2, "kl_failure": None}}
-    corr = bench.utility_correlation(str(tmp_path), table)
+    corr = gap.utility_correlation(str(tmp_path), table)
     gains = [0.1, 0.2, -0.1, -0.2, -0.3]  # lopd ×2, lopd-frozen (lopd's row), opsd ×2
-    assert corr["teacher gap"] == (pytest.approx(bench.spearman([0.3, 0.3, 0.3, 0.1, 0.1], gains)), 5)
+    assert corr["teacher gap"] == (pytest.approx(gap.spearman([0.3, 0.3, 0.3, 0.1, 0.1], gains)), 5)
     assert corr["KL, failures"] == (None, 3)   # opsd has no failed rollout: 3 pairs, all of one value
     assert corr["KL, failures − successes"][1] == 3
-    assert bench.utility_correlation(str(tmp_path / "nowhere"), table) is None
+    assert gap.utility_correlation(str(tmp_path / "nowhere"), table) is None

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
+import tooluse_v1  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_scripted_expert_solves_every_held_out_task(env):
         ep = envs.play(env, task, env.demo(task, rng))
         assert ep.done and ep.reward == 1.0, (task.prompt, ep.turns)
         assert ep.feedback == "correct"
-        assert len(ep.turns) == len(envs.FAMILIES[task.family]) + 1 <= env.max_turns
+        assert len(ep.turns) == len(tooluse_v1.FAMILIES[task.family]) + 1 <= env.max_turns
         assert ep.turns[-1] == (f"answer {task.answer}", "")
 
 
@@ -48,7 +49,7 @@ def test_reference_solution_is_the_expert_trajectory(env):
 def test_eval_set_balanced_by_family(env):
     assert len(env.eval_tasks) == 250
     counts = Counter(t.family for t in env.eval_tasks)
-    assert set(counts) == set(envs.FAMILIES)
+    assert set(counts) == set(tooluse_v1.FAMILIES)
     assert len(set(counts.values())) == 1  # 25 each
 
 
@@ -67,11 +68,11 @@ def test_tasks_are_fixed_by_the_seed(env):
 
 
 def test_unseen_family_is_absent_from_warmup(env):
-    assert envs.UNSEEN in env.families
-    assert envs.UNSEEN not in env.warmup_families
-    assert set(env.warmup_families) == set(env.families) - {envs.UNSEEN}
+    assert tooluse_v1.UNSEEN in env.families
+    assert tooluse_v1.UNSEEN not in env.warmup_families
+    assert set(env.warmup_families) == set(env.families) - {tooluse_v1.UNSEEN}
     pool = env.make_tasks(200, seed=3, families=env.warmup_families)
-    assert all(t.family != envs.UNSEEN for t in pool)
+    assert all(t.family != tooluse_v1.UNSEEN for t in pool)
 
 
 def test_noisy_expert_is_well_formed(env):
@@ -86,31 +87,31 @@ def test_noisy_expert_is_well_formed(env):
 
 
 def test_random_plan_is_uniform_over_the_18_type_correct_plans_of_1_to_4_calls():
-    assert len(envs.GUESSES) == 18 and len(envs.ALL_PLANS) == 31
+    assert len(tooluse_v1.GUESSES) == 18 and len(tooluse_v1.ALL_PLANS) == 31
     rng = random.Random(0)
-    counts = Counter(tuple(envs.random_plan(rng)) for _ in range(18_000))
-    assert set(counts) == {tuple(p) for p in envs.GUESSES}
+    counts = Counter(tuple(tooluse_v1.random_plan(rng)) for _ in range(18_000))
+    assert set(counts) == {tuple(p) for p in tooluse_v1.GUESSES}
     assert all(800 < c < 1200 for c in counts.values())        # 1000 expected each
-    for plan in envs.ALL_PLANS:  # + the answer fits in max_turns; every plan type-checks
-        assert 1 <= len(plan) <= envs.MAX_CALLS == envs.ToolUseV1.max_turns - 1
-        world = envs.random_world(rng)
+    for plan in tooluse_v1.ALL_PLANS:  # + the answer fits in max_turns; every plan type-checks
+        assert 1 <= len(plan) <= tooluse_v1.MAX_CALLS == envs.ToolUseV1.max_turns - 1
+        world = tooluse_v1.random_world(rng)
         value, kind = world['people'][0], 'person'
         for tool in plan:
-            assert envs.TOOLS[tool] == kind
-            value, err = envs.call_tool(world, tool, value)
+            assert tooluse_v1.TOOLS[tool] == kind
+            value, err = tooluse_v1.call_tool(world, tool, value)
             assert err is None
             kind = 'team' if tool == 'team' else 'city' if tool == 'city' else 'person'
         assert kind != 'team'
-    avoid = envs.FAMILIES['quandle X']
-    assert all(envs.random_plan(rng, avoid=avoid) != avoid for _ in range(2000))
+    avoid = tooluse_v1.FAMILIES['quandle X']
+    assert all(tooluse_v1.random_plan(rng, avoid=avoid) != avoid for _ in range(2000))
 
 
 def test_only_the_family_plan_reaches_the_answer(env):
     """No lucky wins: every other plan of up to 5 calls gives another result than the answer."""
     for task in env.eval_tasks + env.train_tasks[:500]:
-        x, plan = task.prompt.split()[-1], envs.FAMILIES[task.family]
-        assert envs.run_plan(task.world, plan, x) == task.answer
-        hits = [p for p in envs.ALL_PLANS if envs.run_plan(task.world, p, x) == task.answer]
+        x, plan = task.prompt.split()[-1], tooluse_v1.FAMILIES[task.family]
+        assert tooluse_v1.run_plan(task.world, plan, x) == task.answer
+        hits = [p for p in tooluse_v1.ALL_PLANS if tooluse_v1.run_plan(task.world, p, x) == task.answer]
         assert hits == [plan], (task.prompt, hits)
 
 
@@ -182,7 +183,7 @@ junk = st.one_of(
     st.text(min_size=1, max_size=3).map(lambda s: s * 100_000),         # huge strings
     st.sampled_from(["answer ", "answer", "answer\x00bo", "city()", "lead(\n)", "<|eot|>", "\u202e(bo)",
                      "city(bo)" * 20, "manager(" + "a" * 60 + ")"]),
-    st.builds(lambda t, a: f"{t}({a})", st.sampled_from(list(envs.TOOLS) + ["x", "lookup"]),
+    st.builds(lambda t, a: f"{t}({a})", st.sampled_from(list(tooluse_v1.TOOLS) + ["x", "lookup"]),
               st.sampled_from(envs.NAMES + envs.TEAMS + ["", "people", "teams", "lead"])),
     st.none(), st.integers(), st.binary(max_size=20), st.just(["city(bo)"]),  # not even text
 )

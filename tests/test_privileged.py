@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
+import tooluse_v1  # noqa: E402
 import lopd  # noqa: E402
 import methods  # noqa: E402
 import lopd_method  # noqa: E402
@@ -47,12 +48,12 @@ def test_warmup_context_demos_never_show_an_opaque_familys_true_plan(env):
         ep, ctx = warmup.warmup_demo(env, task, by_family, rng, p_ctx=1.0)
         form = ctx.split(":")[0]
         forms.add(form)
-        true = envs.FAMILIES[task.family] if task.family in envs.OPAQUE else None
+        true = tooluse_v1.FAMILIES[task.family] if task.family in tooluse_v1.OPAQUE else None
         if form == "past":
             lines = [line.strip().partition(": ") for line in ctx.removeprefix("past:").splitlines()]
             for prompt, _, traj in lines:
                 fam = prompt.replace(prompt.split()[-1], "X")
-                assert fam not in envs.OPAQUE or tools(traj) != envs.FAMILIES[fam], ctx
+                assert fam not in tooluse_v1.OPAQUE or tools(traj) != tooluse_v1.FAMILIES[fam], ctx
             followed = any(p.replace(p.split()[-1], "X") == task.family for p, _, _ in lines)
         else:  # a reference solution, a skill, feedback: about this very task, which the demo then solves
             assert true is None or tools(ctx) != true, ctx

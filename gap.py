@@ -1,0 +1,237 @@
+"""bench.py's two reports that train nothing: --teacher_gap (every teacher's success with its context
+before training, beside its student's, and the privileged-information utility statistics) and
+--memory (one distillation step's peak memory at a real vocabulary, chunked and not; LoRA's)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import bench  # the entries, and train.py's checks of a run's flags
+import methods
+import lopd_method  # noqa: E402 (after methods, which imports it)
+from report import fmt, read_json
+
+
+# ----------------------------------------------------------------------------- the teacher-gap report
+
+def gap_rows(run, rollout, tasks):
+    """Before any student update: the student's and its teacher's held-out success on the same tasks
+    (greedy), overall and on opaque families, and the privileged-information utility statistics
+    (pi_utility) on the student's own sampled rollouts. The teacher's context is the method's own,
+    built on the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of
+    each group taken. LOPD and Traj-text also get the control: other-family experiences only (as latents, as text).
+    -> {row name: (teacher success per task, rows that got a context, utility statistics)}."""
+    import torch
+    G = run.method.group
+    eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
+    contexts = {run.args.method: methods.embed_context(run, run.method.context(run, eps))[::G]}
+    others = lambda: lopd_method.retrieve(run, [e.task for e in eps[::G]], other_family=True)
+    if run.args.method == 'lopd':
+        contexts['lopd-control'] = lopd_method.latents(run, eps[::G], grad=False, found=others())
+    if run.args.method == 'trajtext':  # the same control as text: what other families' experiences tell
+        contexts['trajtext-control'] = methods.embed_context(run, [methods.bank_text(f) for f in others()])
+    out = {}
+    with torch.no_grad():
+        for name, ctx in contexts.items():
+            teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=methods.with_default(run, ctx))[0]
+            out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])),
+                         pi_utility(run, eps[::G], bodies[::G], masks[::G], ctx))
+    return out
+
+
+def pi_utility(run, eps, bodies, masks, ctx, rows=50):
+    """KL-based statistics of a context, before training (after the study of 16 privileged-information
+    setups, arXiv 2608.04794): on the student's own sampled rollouts, each rollout's mean over its agent
+    tokens of D(π_θ(·|x,y<t) ‖ π_T(·|c,x,y<t)) (reverse KL, what the distillation loss minimises), then
+    the mean over the rollouts that succeeded and over those that failed. Rollouts without a context are left out."""
+    import lopd
+    import model as M
+    per = []
+    for i in range(0, len(eps), rows):
+        ids, amask, attn = M.pad_batch(bodies[i:i + rows], masks[i:i + rows], run.tok.pad, run.device)
+        logits_t = M.logits_on(run.teacher, methods.with_default(run, ctx[i:i + rows]), ids, attn, run.args.score_chunk)
+        logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn, run.args.score_chunk)
+        d = lopd.divergence(logits_s, logits_t, 'rkl')
+        per += ((d * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
+    kept = [(k, e.success) for k, e, p in zip(per, eps, ctx) if p is not None]
+    mean = lambda won: float(np.mean([k for k, w in kept if w == won])) if any(w == won for _, w in kept) else None
+    return {'kl_success': mean(True), 'kl_failure': mean(False)}
+
+
+def spearman(x, y):
+    """Spearman's rank correlation (ties get their mean rank); None if either side is constant."""
+    rank = lambda v: np.array([np.mean([j for j, w in enumerate(sorted(v)) if w == u]) for u in v])
+    rx, ry = rank(list(x)), rank(list(y))
+    return None if len(x) < 3 or rx.std() == 0 or ry.std() == 0 else float(np.corrcoef(rx, ry)[0, 1])
+
+
+def utility_correlation(cmp_dir, table):
+    """How well each before-training statistic predicts each quick-compare run's gain over the base:
+    Spearman's ρ over the (entry, seed) pairs whose method has a row here (an ablation takes its
+    method's row: lopd-frozen uses lopd's). -> {statistic: (ρ, pairs)}, or None without results.json."""
+    res = read_json(os.path.join(cmp_dir, 'results.json'))
+    if not res:
+        return None
+    stats = {'teacher gap': lambda r: r['success'] - table['student']['success'], 'KL, successes': lambda r: r['kl_success'],
+             'KL, failures': lambda r: r['kl_failure'],
+             'KL, failures − successes': lambda r: None if None in (r['kl_failure'], r['kl_success']) else r['kl_failure'] - r['kl_success']}
+    out = {}
+    for name, f in stats.items():
+        pairs = [(f(table[row]), final - r['base_mean']) for e, r in res['entries'].items() if r
+                 for row in [e if e in table else bench.method_of(e) if e in bench.ENTRIES else None] if row in table and f(table[row]) is not None
+                 for final in r['final']]
+        out[name] = (spearman(*zip(*pairs)) if pairs else None, len(pairs))
+    return out
+
+
+def teacher_gap(o, out_dir, cmp_dir):
+    """bench.py --teacher_gap: for every method with a teacher (and LOPD's variants in GAP_EXTRA), build
+    its run (warm-up, base evaluation, setup: LOPD's cold start) and measure gap_rows on the first
+    --gap_tasks held-out tasks. -> teacher_gap.md / .json in the compare folder."""
+    import torch
+    import bookkeeping
+    import train
+    t0, rows, student = time.time(), {}, None
+    entries = {m: ['--method', m] for m, x in methods.METHODS.items() if x.context and (not o.methods or m in o.entries)}
+    entries.update({k: v for k, v in GAP_EXTRA.items() if not o.methods or k in o.entries})
+    for entry, own in entries.items():
+        m = own[own.index('--method') + 1]
+        flags = bench.for_method(o.extras, m) + own + ['--env', o.env, '--out_dir', out_dir, '--name', f'gap-{entry}-{o.env}',
+                                                   '--overwrite', '--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0']
+        args = bench.train_args(flags)
+        bookkeeping.claim_run_dir(os.path.join(out_dir, args.name), True)
+        run = train.build(args)
+        tasks = run.env.eval_tasks[:o.gap_tasks]
+        with torch.no_grad():
+            if student is None:
+                student = [e.reward for e in train.rollout(run.model, run.tok, run.env, tasks, greedy=True)[0]]
+            for name, r in gap_rows(run, train.rollout, tasks).items():
+                rows[entry + name[len(m):]] = r  # e.g. lopd-balanced, lopd-balanced-control
+        opaque = np.array([t.family in getattr(run.env, 'opaque', ()) for t in tasks])
+        write_gap(cmp_dir, o, train.CODE, time.time() - t0, tasks, opaque, student, rows)  # so far: a long report can be read as it goes
+        print(f'teacher gap: {entry} done ({time.time() - t0:.0f}s)', flush=True)
+    print('\n'.join(write_gap(cmp_dir, o, train.CODE, time.time() - t0, tasks, opaque, student, rows)))
+    return os.path.join(cmp_dir, 'teacher_gap.md')
+
+
+def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
+    """teacher_gap.md / .json from what is measured so far, with the utility statistics and, where the
+    quick compare's results.json is in the same folder, how well each predicts the gains."""
+    split = lambda r: (float(np.mean(r)), float(np.mean(np.array(r)[opaque])) if opaque.any() else None)
+    gap = lambda a, b: f'{a - b:+.3f}' if a is not None and b is not None else '—'
+    s_all, s_op = split(student)
+    fams = sorted({t.family for t in tasks})
+    by_family = lambda r: {f: float(np.mean([x for x, t in zip(r, tasks) if t.family == f])) for f in fams}
+    table = {'student': {'success': s_all, 'opaque': s_op, 'by_family': by_family(student)}}
+    md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update; '
+          'held-out graded reward (0/1 success where the reward is 0/1).',
+          f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
+          '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque | '
+          'KL, successes | KL, failures |',
+          '|---|---|---|---|---|---|---|---|---|---|']
+    for name, (r, cov, kl) in rows.items():
+        t_all, t_op = split(r)
+        table[name] = {'success': t_all, 'opaque': t_op, 'with_context': cov, 'by_family': by_family(r), **kl}
+        md.append(f'| {name} | {cov:.2f} | {t_all:.3f} | {s_all:.3f} | {gap(t_all, s_all)} | {fmt(t_op)} | {fmt(s_op)} | '
+                  f"{gap(t_op, s_op)} | {fmt(kl['kl_success'], '.4f')} | {fmt(kl['kl_failure'], '.4f')} |")
+    corr = utility_correlation(cmp_dir, table)
+    if corr:
+        md += ['', "Privileged-information utility: Spearman's ρ between each statistic above (before training) and "
+               "the gain over the base of each run of this folder's results.json (one pair per entry and seed; "
+               "an ablation takes its method's row):", '', '| statistic | ρ | pairs |', '|---|---|---|']
+        md += [f'| {k} | {fmt(rho, "+.2f")} | {n} |' for k, (rho, n) in corr.items()]
+        table['utility_correlation'] = {k: {'rho': rho, 'pairs': n} for k, (rho, n) in corr.items()}
+    os.makedirs(cmp_dir, exist_ok=True)
+    with open(os.path.join(cmp_dir, 'teacher_gap.json'), 'w') as f:
+        json.dump(table, f, indent=1)
+    with open(os.path.join(cmp_dir, 'teacher_gap.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+    return md
+
+
+# LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
+GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  # this task's plan and answer
+             'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
+             'lopd-nll-stored': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_sample', 'stored'],  # ... and its sampling
+             'lopd-nll-reader': ['--method', 'lopd', '--cold_start', 'nll', '--reader', 'trained'],
+             'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
+             'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
+             'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
+GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
+              'trajtext-control: the same other-family experiences shown as text; '
+              'lopd (default cold start): distils the teacher reading the experiences as text into it reading the latents; lopd-nll: the paper\'s cold start '
+              '(NLL of the successes given their latents); -stored: its rollouts drawn as stored, not family-balanced; -reader: a trainable reader; '
+              'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; -expert: the bank filled with the '
+              'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
+
+
+# ----------------------------------------------------------------------------- memory (--memory)
+
+def step_memory(B, T, V, chunk, d=64):
+    """Run in a fresh process: one distillation step (the student's forward with its graph, the frozen
+    teacher's without, full-vocabulary reverse KL, backward, AdamW) of a 1-layer Llama of width d with
+    a V-token vocabulary on (B, T) tokens -> (resident GiB before the step, peak GiB during it)."""
+    import copy
+    import resource
+    import torch
+    import lopd
+    import model as M
+    torch.manual_seed(0)
+    student = M.tiny_llama(V, d_model=d, n_layer=1, n_head=2, max_len=T + 1)
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    ids, attn = torch.randint(0, V, (B, T)), torch.ones(B, T, dtype=torch.long)
+    bos = lambda m: [M.embed(m, torch.tensor([0]))] * B
+    gib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # ru_maxrss is in KiB on Linux
+    before = gib()
+    with torch.no_grad():
+        logits_t = M.logits_on(teacher, bos(teacher), ids, attn, chunk=chunk)
+    loss = lopd.distill_loss(M.logits_on(student, bos(student), ids, attn, chunk=chunk), logits_t, attn.float())
+    loss.backward()
+    opt.step()
+    return before, gib()
+
+
+def lora_memory(r=16):
+    """Parameter bytes of student + θ0 + EMA teacher for a Qwen2.5-0.5B-shaped model (built on the meta
+    device: counts, no weights): three bf16 copies, vs one bf16 copy and two float32 LoRA adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device('meta'):
+        model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=r, lora_alpha=2 * r, target_modules='all-linear'))
+    base = sum(p.numel() for n, p in model.named_parameters() if 'lora_' not in n)
+    adapter = sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n)
+    return base, adapter
+
+
+def memory_report(o):
+    """--memory: the two tables of the README's "Your own model on one GPU" section, printed."""
+    B, T, V = 4, 2048, 151936
+    rows = []
+    for b, chunk in [(1, 0), (2, 0), (1, 1024), (2, 1024), (B, 1024), (B, 256)]:
+        code = f'import gap; print(*gap.step_memory({b}, {T}, {V}, {chunk}))'
+        out = subprocess.run([sys.executable, '-c', code], cwd=bench.ROOT, capture_output=True, text=True)
+        if out.returncode:
+            bench.die(f'--memory: the step with B={b}, chunk={chunk} failed: {out.stderr.strip().splitlines()[-1:]}')
+        before, peak = map(float, out.stdout.split())
+        rows.append((b, chunk, before, peak))
+        print(f'B={b} T={T} V={V} chunk={chunk or "none"}: resident {before:.2f} GiB before the step, peak {peak:.2f} GiB '
+              f'(+{peak - before:.2f})', flush=True)
+    step = {(b, c): peak - before for b, c, before, peak in rows}
+    # unchunked, B = 4 needs more memory than this machine has: the step's memory is linear in B, so
+    # it is extrapolated from B = 1 and 2 (the chunked step's does not grow with B: it is one chunk's)
+    unchunked = step[1, 0] + (B - 1) * (step[2, 0] - step[1, 0])
+    print(f'B={B} unchunked, extrapolated from B=1 and 2: +{unchunked:.2f} GiB; chunked / unchunked: '
+          f'{step[B, 1024] / unchunked:.3f} (chunk 1024), {step[B, 256] / unchunked:.3f} (chunk 256)')
+    base, adapter = lora_memory()
+    three, lora = 3 * base * 2, base * 2 + 2 * adapter * 4
+    print(f'0.5B-shaped Qwen2 ({base / 1e6:.0f}M parameters; LoRA r=16 on every linear layer: {adapter / 1e6:.1f}M): '
+          f'student + θ0 + EMA as three bf16 copies {three / 2 ** 30:.2f} GiB, as one bf16 copy + two fp32 adapters '
+          f'{lora / 2 ** 30:.2f} GiB ({lora / three:.3f}x); AdamW state {base * 8 / 2 ** 30:.2f} GiB (full) vs '
+          f'{adapter * 8 / 2 ** 30:.3f} GiB (adapter)')

@@ -1,0 +1,252 @@
+"""What bench.py writes: finished run folders -> one row per entry (final reward and success with
+95% bootstrap intervals over tasks and seeds, the curve, the diagnostics, the families the base
+solves), then results.json / results.md / curves.png and tuning.json / tuning.md."""
+import contextlib
+import json
+import os
+
+import numpy as np
+
+REFERENCE = 'grpo'  # the paper's sample-efficiency claim: episodes to reach RLVR's (GRPO's) final success
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def load_run(run_dir):
+    """-> (summary or None, config or {}, eval points sorted by episodes). A resumed run may
+    have logged a step twice; the last line for a step wins. A torn last line is skipped."""
+    evals = {}
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                m = json.loads(line)
+                evals[m.get('step')] = m
+    return (read_json(os.path.join(run_dir, 'summary.json')), read_json(os.path.join(run_dir, 'config.json')) or {},
+            sorted(evals.values(), key=lambda m: m['episodes']))
+
+
+def auc(x, y, budget):
+    """Area under success vs episodes (trapezoid over the eval points) / budget, in [0, 1].
+    e.g. x = [0, 512, 1024], y = [0.5, 0.5, 1.0], budget 1024 -> (256 + 384) / 1024 = 0.625."""
+    return float(np.trapezoid(y, np.minimum(np.asarray(x, float), budget)) / budget)
+
+
+def episodes_to_reach(x, y, target):
+    """The first eval point whose success is >= target, or None (not reached)."""
+    hit = np.nonzero(np.asarray(y) >= target - 1e-9)[0]
+    return int(x[hit[0]]) if len(hit) else None
+
+
+def mean_of(values):
+    v = [x for x in values if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def bootstrap_ci(values, n_boot=2000, seed=0, level=0.95):
+    """The mean of per-task values over seeds and tasks, with a two-level bootstrap interval: resample
+    the seeds, then each drawn seed's tasks, with replacement. values (S, T) -> (mean, lo, hi).
+    e.g. one seed, tasks [0, 1]: the mean is 0.5 and the interval is about (0, 1)."""
+    v = np.asarray(values, float)
+    S, T = v.shape
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, S, (n_boot, S))                                          # (n_boot, S) seeds drawn
+    t = rng.integers(0, T, (n_boot, S, T))                                       # (n_boot, S, T) tasks drawn per seed
+    means = v[s[..., None], t].mean((1, 2))                                      # (n_boot,)
+    lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(v.mean()), float(lo), float(hi)
+
+
+def final_stats(evs):
+    """Per seed, the last evaluation's per-task values -> {metric: (mean, lo, hi)} over tasks and seeds."""
+    out = {}
+    for name, key, f in [('reward', 'task_reward', float), ('success', 'task_reward', lambda r: float(r >= 1)),
+                         ('reward_sampled', 'task_reward_sampled', float)]:
+        rows = [[f(r) for r in ev[-1][key]] for ev in evs if ev[-1].get(key)]
+        if rows and len({len(r) for r in rows}) == 1:
+            out[name] = bootstrap_ci(rows)
+    return out
+
+
+def summarize(run_dirs, budget):
+    """Finished runs of one entry -> its row of results.json (None if no run finished)."""
+    runs = [(s, c, ev) for s, c, ev in map(load_run, run_dirs) if s and ev and s.get('episodes', 0) >= budget]
+    if not runs:
+        return None
+    # seed curves of the graded reward on the union of their eval points (linear in between)
+    x = np.unique(np.concatenate([[m['episodes'] for m in ev] for _, _, ev in runs]))
+    Y = np.stack([np.interp(x, [m['episodes'] for m in ev], [m.get('reward', m['success']) for m in ev]) for _, _, ev in runs])
+    final = [ev[-1].get('reward', ev[-1]['success']) for _, _, ev in runs]
+    aucs = [auc(x, y, budget) for y in Y]
+    setup = [s.get('setup_episodes', 0) for s, _, _ in runs]
+    row = {'seeds': [s.get('seed') for s, _, _ in runs], 'final': final, 'final_mean': float(np.mean(final)),
+           'final_std': float(np.std(final, ddof=1)) if len(final) > 1 else 0.0, 'ci': final_stats([ev for _, _, ev in runs]),
+           'best_mean': mean_of([max(m.get('reward', m['success']) for m in ev) for _, _, ev in runs]),
+           'auc_mean': float(np.mean(aucs)), 'auc_std': float(np.std(aucs, ddof=1)) if len(aucs) > 1 else 0.0,
+           'base_mean': mean_of([ev[0].get('reward', ev[0]['success']) for _, _, ev in runs]),
+           'success_mean': mean_of([ev[-1]['success'] for _, _, ev in runs]),
+           'base_success_mean': mean_of([ev[0]['success'] for _, _, ev in runs]),
+           'setup_episodes': float(np.mean(setup)),
+           'teacher_reward': mean_of([s.get('teacher_reward', s.get('teacher_success')) for s, _, _ in runs]),
+           'wall_seconds': mean_of([s.get('wall_seconds') for s, _, _ in runs]),
+           'family_base': family_means([ev[0] for _, _, ev in runs]), 'family_final': family_means([ev[-1] for _, _, ev in runs]),
+           'curve': {'episodes': x.tolist(), 'mean': Y.mean(0).tolist(), 'std': Y.std(0).tolist(),
+                     'min': Y.min(0).tolist(), 'max': Y.max(0).tolist(), 'seeds': Y.tolist()}}
+    last = lambda k: mean_of([ev[-1].get(k) for _, _, ev in runs])
+    avg = lambda k: mean_of([mean_of([m.get(k) for m in ev]) for _, _, ev in runs])
+    diag = {'teacher_reward': last('teacher_reward'), 'student_reward_same_tasks': last('student_reward_same_tasks'),
+            'delta_mean': avg('delta'), 'anchor_mean': avg('anchor'), 'family_hit_mean': avg('family_hit'),
+            'beta_final': last('beta'),
+            # before any update every teacher's weights are θ0, so θ0 without its context is the
+            # student of the first evaluation, on the same tasks
+            'teacher_without_context': mean_of([ev[0].get('student_reward_same_tasks') for _, _, ev in runs])}
+    row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
+    # per seed, every evaluation's diagnostics: β, Δ, anchor, family hit over time (for a notebook)
+    keys = ['episodes', 'training_episodes', 'reward', 'success', 'teacher_reward', 'student_reward_same_tasks', 'beta', 'delta',
+            'anchor', 'family_hit', 'phi_grad_kl', 'phi_grad_margin', 'phi_grad_anchor']
+    row['evals'] = [[{k: m.get(k) for k in keys} for m in ev] for _, _, ev in runs]
+    return row
+
+
+def family_means(evals):
+    """Seed-mean reward per family, from evaluations that logged one."""
+    fams = {}
+    for m in evals:
+        for f, v in m.get('family', {}).items():
+            fams.setdefault(f, []).append(v)
+    return {f: float(np.mean(v)) for f, v in fams.items()}
+
+
+def add_reach(results):
+    """Episodes each entry's seed-mean curve needs to reach GRPO's final mean reward, both ways of
+    counting: every episode sampled (a setup's bank or pool included), and, as the paper counts,
+    only the training episodes (the setup's are subtracted)."""
+    target = results[REFERENCE]['final_mean'] if results.get(REFERENCE) else None
+    for r in results.values():
+        if r:
+            n = episodes_to_reach(r['curve']['episodes'], r['curve']['mean'], target) if target is not None else None
+            r['episodes_to_grpo_final'] = n
+            r['training_episodes_to_grpo_final'] = None if n is None else max(0, int(n - r['setup_episodes']))
+    return target
+
+
+# ----------------------------------------------------------------------------- writing
+
+def fmt(v, spec='.3f'):
+    return '—' if v is None else format(v, spec)
+
+
+def ci(r, k):
+    """'0.512 [0.487, 0.538]' from a row's bootstrap interval, or '—'."""
+    v = r.get('ci', {}).get(k)
+    return '—' if not v else f'{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]'
+
+
+def final(r):
+    """The final reward with its interval, or mean ± std over seeds for runs that kept no per-task values."""
+    return ci(r, 'reward') if r.get('ci', {}).get('reward') else f"{r['final_mean']:.3f} ± {r['final_std']:.3f}"
+
+
+def write_results(cmp_dir, results, meta, target):
+    results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
+    with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
+        json.dump(results_json, f, indent=1)
+
+    def reach(r, k):
+        n = r[k]
+        return ('n/a (no grpo)' if target is None else 'not reached' if n is None else
+                '0 (GRPO ends ≤ base)' if n == 0 else str(n))  # 0: the target says nothing about speed
+    md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
+          f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
+          f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
+          f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
+          f"{fmt(target)}, reached counting every episode sampled / only the training episodes (the paper's: a bank or "
+          f"pool built before training is not counted). AUC = area under reward vs episodes / budget. wall s = each run's "
+          f"own seconds; runs that share one seed's method setup (LOPD's cold start) share it: the first builds it.", '',
+          '| entry | flags | seeds | final reward | success | reward, sampled | AUC | episodes to GRPO final '
+          '(all / training) | base reward | base success | teacher | wall s |',
+          '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for e, r in results.items():
+        flags = f"`{' '.join(meta['flags'][e])}`"
+        md.append(f'| {e} | {flags} | 0 |' + ' — |' * 9 if not r else
+                  f"| {e} | {flags} | {len(r['final'])} | {final(r)} | "
+                  f"{ci(r, 'success')} | {ci(r, 'reward_sampled')} | "
+                  f"{r['auc_mean']:.3f} | {reach(r, 'episodes_to_grpo_final')} / {reach(r, 'training_episodes_to_grpo_final')} | "
+                  f"{fmt(r['base_mean'])} | {fmt(r['base_success_mean'])} | {fmt(r['teacher_reward'])} | {fmt(r['wall_seconds'], '.0f')} |")
+    md += ['', 'Diagnostics (final = last evaluation, mean = over evaluations; seed means; teacher and student '
+           'on the same first `--teacher_eval` held-out tasks; teacher without context = θ0 alone, the first evaluation):', '',
+           '| entry | teacher reward (final) | teacher without context | student, same tasks | mean Δ | final β | mean ‖z − z0‖² | mean family hit |',
+           '|---|---|---|---|---|---|---|---|']
+    keys = ['teacher_reward', 'teacher_without_context', 'student_reward_same_tasks', 'delta_mean', 'beta_final',
+            'anchor_mean', 'family_hit_mean']
+    md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
+           for e, r in results.items() if r and r['diagnostics']]
+    md += forgetting_table(results)
+    if meta['failed']:
+        md += ['', 'Failed runs (see logs/): ' + ', '.join(meta['failed'])]
+    with open(os.path.join(cmp_dir, 'results.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+
+
+def forgetting_table(results, solved=0.8):
+    """Families the base solves (reward >= `solved`): base -> final reward per entry (seed means),
+    so that a family the student loses shows up, whatever the mean does."""
+    rows = [r for r in results.values() if r and r.get('family_base')]
+    if not rows:
+        return []
+    base = {f: float(np.mean([r['family_base'][f] for r in rows if f in r['family_base']])) for f in rows[0]['family_base']}
+    fams = [f for f, v in base.items() if v >= solved]
+    if not fams:
+        return []
+    names = [e for e, r in results.items() if r and r.get('family_final')]
+    md = ['', f'Families the base solves (base reward >= {solved}): final reward per entry (seed means):', '',
+          '| family | base | ' + ' | '.join(names) + ' |', '|---|---|' + '---|' * len(names)]
+    return md + [f'| {f} | {base[f]:.2f} | ' + ' | '.join(fmt(results[e]['family_final'].get(f), '.2f') for e in names) + ' |'
+                 for f in fams]
+
+
+def plot_curves(path, results, target):
+    import matplotlib
+    matplotlib.use('Agg')  # no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for e, r in results.items():
+        if r:
+            c = r['curve']
+            n = len(r['final'])
+            line, = ax.plot(c['episodes'], c['mean'], '-', marker='.', label=f"{e} ({n} seed{'s' * (n > 1)})")
+            ax.fill_between(c['episodes'], c['min'], c['max'], color=line.get_color(), alpha=0.15)
+    if target is not None:
+        ax.axhline(target, color='k', ls=':', lw=1, label="GRPO's final mean reward")
+    ax.set(xlabel='episodes sampled', ylabel='held-out graded reward (seed mean, min–max band)', ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_tuning(cmp_dir, grid, meta):
+    """Best final success per entry on seed 0 -> tuning.json (merged with earlier tunings) + tuning.md."""
+    path = os.path.join(cmp_dir, 'tuning.json')
+    tuning = (read_json(path) or {}) | {'meta': meta}
+    md = ['# Tuning on seed 0 (validation seed, not reported)', '', '| entry | setting | final success | best | chosen |',
+          '|---|---|---|---|---|']
+    for e, settings in grid.items():
+        done = [s for s in settings if s['final_success'] is not None]
+        best = max(done, key=lambda s: s['final_success']) if done else None  # max keeps the first of ties
+        tuning[e] = {'flags': best['setting'] if best else [], 'final_success': best and best['final_success'], 'grid': settings}
+        md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_success'])} | {fmt(s['best_success'])} | "
+               f"{'✓' if s is best else ''} |" for s in settings]
+    with open(path, 'w') as f:
+        json.dump(tuning, f, indent=1)
+    with open(os.path.join(cmp_dir, 'tuning.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
