@@ -26,6 +26,8 @@ the privileged margin and its dual update; GKD, Agarwal et al. 2024 (generalized
 GRPO, Shao et al. 2024; PPO, Schulman et al. 2017; Skill-SD, Wang et al. 2026 (the
 importance-weighted k3 term); k3, Schulman 2020 ("Approximating KL divergence").
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -165,11 +167,14 @@ class QFormer(nn.Module):
 
     L = 200  # the longest experience read (reading() cuts each at 200 tokens)
 
-    def __init__(self, d, K, scale=0.05):
+    def __init__(self, d, K, scale=0.05, copy=False):
         super().__init__()
         self.K = K
         self.q = nn.Parameter(torch.randn(K, d) / d ** 0.5)
         self.key = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d))
+        # copy: a bias per (query, position) that starts as query k reading token k, so that the first
+        # latents are the experience's own embeddings (its text, if K >= its length), then learn
+        self.pos = nn.Parameter(10 * torch.eye(K, self.L)) if copy else None
         self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
         with torch.no_grad():
             self.mlp[-1].weight.zero_()
@@ -189,11 +194,13 @@ class QFormer(nn.Module):
         d = (read.shape[-1] - 1) // 2
         h, e, mask = read[..., :d], read[..., d:2 * d], read[..., -1]
         scores = torch.einsum('kd,nld->nkl', self.q, self.key(h)) / d ** 0.5    # (N, K, L)
+        if self.pos is not None:
+            scores = scores + self.pos[:, :scores.shape[-1]]
         a = scores.masked_fill(mask[:, None] == 0, float('-inf')).softmax(-1)
         return torch.einsum('nkl,nld->nkd', a, e) + self.mlp(torch.einsum('nkl,nld->nkd', a, h))
 
 
-COMPOSERS = {'mlp': Composer, 'qformer': QFormer}
+COMPOSERS = {'mlp': Composer, 'qformer': QFormer, 'qformer-copy': functools.partial(QFormer, copy=True)}
 
 
 def segment_pool(h, mask, K):

@@ -274,7 +274,8 @@ register('lopd', Method(
     flags={**DISTILL_FLAGS, **BANK_FLAGS,
            'K': arg(4, 'latent tokens per retrieved experience', lo=1),
            'composer': arg('mlp', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
-                           "queries attending over them (the paper's)", choices=list(lopd.COMPOSERS)),
+                           "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
+                           "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
            'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
            'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
            'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],

@@ -448,6 +448,22 @@ def test_qformer_matches_a_loop_and_a_sharp_query_copies_one_token():
     torch.testing.assert_close(z[1, 1], e[1].mean(0))                    # a flat query: the mean of the tokens
 
 
+def test_qformer_copy_starts_as_the_experiences_own_embeddings_and_learns_its_position_bias():
+    """--composer qformer-copy: query k starts on the experience's k-th token, so z_k = e_k (the text
+    the teacher would read); the bias is a parameter the cold start trains."""
+    torch.manual_seed(0)
+    N, L, d, K = 2, 9, 8, 4
+    c = lopd.COMPOSERS["qformer-copy"](d, K).double()
+    h, e = torch.randn(N, L, d, dtype=torch.float64), torch.randn(N, L, d, dtype=torch.float64)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1] * 9])
+    z = c.from_reading(c.read(h, e, mask))
+    torch.testing.assert_close(z[0], e[0, 2:6], atol=5e-3, rtol=0)        # the first K of its tokens, in order
+    torch.testing.assert_close(z[1], e[1, :4], atol=5e-3, rtol=0)
+    z.sum().backward()
+    assert c.pos.grad is not None and c.pos.grad.abs().sum() > 0
+    assert lopd.COMPOSERS["qformer"](d, K).pos is None                    # the plain Q-Former has no such bias
+
+
 # ----------------------------------------------------------------------------- latents via inputs_embeds
 
 def test_bos_prefix_equals_plain_model_and_latents_change_logits(tok):
