@@ -32,7 +32,7 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
                     "each example's input->output relation for code generation)", choices=['', *retrieval.EMBEDDERS]),
     'rerank': arg('', "re-sort the embedder's top 32 ('' = the environment's: none for tool use; for code generation, "
                   "by how many of the task's examples each stored program reproduces)", choices=['', *retrieval.RERANKERS]),
-    'bank_source': arg('rollouts', "what fills the bank before training: the base's rollouts; pool = the shared pool OPSD "
+    'bank_source': arg('pool', "what fills the bank before training: the base's rollouts; pool = the shared pool OPSD "
                        "is shown (the base's successes, the scripted expert's demo of each task it failed: the paper's "
                        "'stronger models where coverage is lacking'); expert = the expert's demos only",
                        choices=['rollouts', 'pool', 'expert']),
@@ -269,11 +269,12 @@ def frozen_reading(run, rows):
 
 
 register('lopd', Method(
-    distill, context=lopd_context, teacher='frozen', group=1, lr=1e-3,
+    distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
     state=lopd_state, setup=cold_start, after_step=lopd_after_step,
     flags={**DISTILL_FLAGS, **BANK_FLAGS,
-           'K': arg(4, 'latent tokens per retrieved experience', lo=1),
-           'composer': arg('mlp', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
+           'K': arg(48, 'latent tokens per retrieved experience (48: more than a tool-use experience has tokens; the paper: 32)',
+                    lo=1),
+           'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
                            "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
                            "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
            'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
@@ -284,7 +285,8 @@ register('lopd', Method(
            'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
                               "KL term pulls the teacher onto the student)", lo=0, after_setup=True),
            'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
-           'cold_start_steps': arg(100, 'composer pre-training steps (the paper: 1,000)', lo=0),
+           'cold_start_steps': arg(0, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer '
+                                   'reads as the text does without one)', lo=0),
            'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
                              "the same experiences as text (the default: its other-family control stays flat); nll = the "
                              "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),

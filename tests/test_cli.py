@@ -284,7 +284,7 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
     assert envs.ToolUseV1.defaults == {"warmup_steps": 500}
     plain = train.parse_args([])
     a = train.parse_args(["--env", "codegen"])
-    assert a.cold_start_steps == 300 and plain.cold_start_steps == 100
+    assert a.cold_start_steps == 300 and plain.cold_start_steps == 0
     assert train.parse_args(["--env", "codegen", "--cold_start_steps", "7"]).cold_start_steps == 7
     monkeypatch.setattr(envs.CodeGen, "defaults", {"episodes": 99, "cold_start_steps": 5})
     a = train.parse_args(["--env", "codegen", "--episodes=12"])
