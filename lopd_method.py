@@ -108,7 +108,8 @@ def latent_frame(run, zs):
     code frames its latents the same way: "reference example … end of reference example").
     zs: J tensors (K, d) -> (P, d)."""
     E = lambda ids: M.embed(run.teacher, torch.tensor(ids, device=run.device))
-    head, sep = E(run.tok.context_head() + run.tok.encode('past:')), E(run.tok.encode('\n'))
+    with torch.no_grad():  # constants: with LoRA, new token rows are θ's trainable rows, which φ's loss must not reach
+        head, sep = E(run.tok.context_head() + run.tok.encode('past:')), E(run.tok.encode('\n'))
     return torch.cat([head] + [x for z in zs for x in (z, sep)])
 
 
@@ -133,7 +134,10 @@ def composer_phase(run, b, logits_s, teacher):
     """Step 6: one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², then β ← max(0, β + η_β(m − Δ)).
     Rollouts without retrieved experiences carry no latents and are left out, as in the student phase."""
     a, s, keep = run.args, run.state, teacher.keep.to(run.device)
-    loss, delta, anchor = lopd.composer_loss(logits_s[keep], teacher.logits[keep], b.ids[keep], b.amask[keep],
+    logits_t = teacher.logits
+    if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: the student's step changed tensors its graph holds
+        logits_t = M.logits_on(run.teacher, with_default(run, teacher.context), b.ids, b.attn, a.score_chunk)
+    loss, delta, anchor = lopd.composer_loss(logits_s[keep], logits_t[keep], b.ids[keep], b.amask[keep],
                                              b.reward[keep], s['beta'], a.margin, a.lam, teacher.context.z, teacher.context.z0,
                                              centered=a.advantage == 'centered', relative=a.anchor == 'relative')
     for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds the lr it was built with)
