@@ -29,13 +29,13 @@ from dataclasses import field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import model as M
+from parallel import OutOfSync, any_rank, pick_device, writer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-MODULES = ['bookkeeping.py', 'codegen.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'retrieval.py',
-           'sandbox.py', 'tooluse_v1.py', 'train.py', 'variants.py', 'warmup.py']
+MODULES = ['bookkeeping.py', 'codegen.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'parallel.py',
+           'retrieval.py', 'sandbox.py', 'tokenizer.py', 'tooluse_v1.py', 'train.py', 'variants.py', 'warmup.py']
 
 
 def fingerprint(files=()):
@@ -85,16 +85,6 @@ def fail(msg):
     """A run that cannot go on (not a bad argument): one line, exit status 1."""
     print(f'train.py: {msg}', file=sys.stderr)
     sys.exit(1)
-
-
-def pick_device(name):
-    if name == 'cuda' or (name == 'auto' and torch.cuda.is_available()):
-        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))  # torchrun: one GPU per rank
-    if name != 'auto':
-        return torch.device(name)
-    if getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available():
-        return torch.device('mps')
-    return torch.device('cpu')
 
 
 # ----------------------------------------------------------------------------- the run
@@ -383,7 +373,7 @@ class Guard:
             if not os.path.isfile(os.path.join(where, 'ckpt.pt')):
                 fail("interrupted before the first checkpoint (written once the method's setup is done); nothing to resume")
             fail(f'interrupted; the last checkpoint is in {where}/ (continue with --resume {where})')
-        if kind is Diverged:
+        if kind in (Diverged, OutOfSync):
             fail(f'stopped in step {self.run.step + 1}: {e}; the last checkpoint is in {where}/')
         if kind is not None and issubclass(kind, RuntimeError) and 'out of memory' in str(e).lower():
             fail(f'out of memory on {pick_device(a.device)}: lower --batch (now {a.batch}) or --eval_tasks (now '
@@ -464,84 +454,3 @@ def plot(run):
     fig.tight_layout()
     fig.savefig(os.path.join(run.dir, 'curve.png.tmp'), dpi=100, format='png')
     os.replace(os.path.join(run.dir, 'curve.png.tmp'), os.path.join(run.dir, 'curve.png'))
-
-
-# ----------------------------------------------------------------------------- torchrun: data parallel
-# `torchrun --nproc_per_node N train.py …`: every rank draws the same tasks, rolls out its contiguous
-# share of them (its own sampling stream), and the shares are gathered, so every rank holds the whole
-# batch and takes the same update: the method's state (θ, φ, the bank, β, a critic) stays the same on
-# every rank without a gradient all-reduce, and any method runs as it does in one process. What is
-# split is generation, the slow part of an on-policy step; evaluation is split the same way. Rank 0
-# writes the files and prints; the warm-up and a method's setup are built by rank 0 and read by the rest.
-
-def world():
-    """(rank, number of ranks): torchrun's, or (0, 1) in one process."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-
-
-def writer():
-    return world()[0] == 0
-
-
-def init_distributed(device):
-    """Join torchrun's process group (gloo on CPU, nccl on CUDA); the other ranks go quiet."""
-    if int(os.environ.get('WORLD_SIZE', 1)) <= 1 or dist.is_initialized():
-        return
-    cuda = pick_device(device).type == 'cuda'
-    if cuda:
-        torch.cuda.set_device(pick_device(device))
-    dist.init_process_group('nccl' if cuda else 'gloo')
-    if not writer():
-        os.environ['TQDM_DISABLE'] = '1'
-        sys.stdout = open(os.devnull, 'w')
-
-
-@contextlib.contextmanager
-def rank0_first():
-    """Rank 0 runs the block first (it builds a cache), then the others (they read it)."""
-    rank, n = world()
-    if n > 1 and rank:
-        dist.barrier()
-    yield
-    if n > 1 and not rank:
-        dist.barrier()
-
-
-def shared(run, fn, items):
-    """fn(items) -> a list, or a tuple of lists, one entry per item; under torchrun each rank runs fn on
-    its contiguous share of items, with its own sampling stream, and the shares are gathered in
-    order, so that every rank returns what one process would (up to which stream sampled what)."""
-    rank, n = world()
-    if n == 1:
-        return fn(items)
-    cuts, before = np.linspace(0, len(items), n + 1).round().astype(int), run.episodes
-    with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
-        torch.manual_seed(hash((run.args.seed, run.step, run.episodes, rank)) % 2 ** 31)
-        mine = fn(items[cuts[rank]:cuts[rank + 1]])
-    every = [None] * n
-    dist.all_gather_object(every, (mine, run.episodes - before))  # a sampler may count episodes itself (PSP)
-    run.episodes = before + sum(extra for _, extra in every)
-    every = [part for part, _ in every]
-    if isinstance(mine, tuple):
-        return tuple([x for part in every for x in part[k]] for k in range(len(mine)))
-    return [x for part in every for x in part]
-
-
-def any_rank(flag, device):
-    """True on every rank if it is True on one (a signal caught by one rank stops them all)."""
-    if world()[1] == 1:
-        return bool(flag)
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def check_in_sync(run):
-    """Every rank took the same updates: their trained weights agree (a cheap checksum), else stop."""
-    if world()[1] == 1:
-        return
-    total = torch.tensor([float(sum(p.double().sum() for p in run.model.parameters() if p.requires_grad))], device=run.device)
-    every = [torch.zeros(1, dtype=total.dtype) for _ in range(world()[1])]
-    dist.all_gather(every, total)
-    if any(e.item() != every[0].item() for e in every):
-        raise Diverged(f'the ranks\' weights differ ({[e.item() for e in every]}): an update was not the same on every rank')

@@ -45,6 +45,7 @@ import envs
 import lopd
 import methods
 import model as M
+import parallel
 import warmup
 from bookkeeping import arg, die
 
@@ -164,9 +165,9 @@ def check_args(a, argv):
         die(f'--resume path does not exist: {a.resume}')
     if a.device == 'cuda' and not torch.cuda.is_available():
         die('--device cuda asked for, but torch sees no CUDA device')
-    if a.dtype == 'bf16' and bk.pick_device(a.device).type == 'cuda' and not torch.cuda.is_bf16_supported():
+    if a.dtype == 'bf16' and parallel.pick_device(a.device).type == 'cuda' and not torch.cuda.is_bf16_supported():
         die('--dtype bf16: this CUDA device does not support bfloat16; use --dtype fp32')
-    if a.dtype == 'bf16' and bk.pick_device(a.device).type == 'mps':
+    if a.dtype == 'bf16' and parallel.pick_device(a.device).type == 'mps':
         die('--dtype bf16 is not supported on mps here; use --dtype fp32')
     if a.model and a.model.startswith(('.', '/', '~')) and not os.path.isdir(os.path.expanduser(a.model)):
         die(f'--model {a.model}: no such folder')
@@ -239,7 +240,7 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        eps, bodies, masks = bk.shared(run, lambda ts: m.sample(run, ts, rollout) if m.sample else
+        eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, rollout) if m.sample else
                                        rollout(run.model, run.tok, run.env, ts), tasks)
         b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device),
                           torch.tensor([e.reward for e in eps], device=run.device))
@@ -263,7 +264,7 @@ def evaluate(run):
     per task (for intervals over tasks). Plus the teacher's own reward when it decodes with its
     context (does the context carry information?)."""
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
-    play = lambda ts, **kw: bk.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
+    play = lambda ts, **kw: parallel.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
                                                        for e in rollout(run.model, run.tok, run.env, ts[i:i + 128], **kw)[0]], ts)
     with run.timer('eval'):
         eps = play(tasks, greedy=True)
@@ -282,7 +283,7 @@ def evaluate(run):
             out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
             prefixes = methods.with_default(run, methods.embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
-            teps = bk.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
+            teps = parallel.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
                                                        prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
             out['teacher_success'] = float(np.mean([e.success for e in teps]))
@@ -315,7 +316,7 @@ def build(args):
     if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
         run.model = M.with_lora(run.model, run.tok, args.lora_r)
     run.model.to(run.device)
-    with run.timer('warmup'), bk.rank0_first():
+    with run.timer('warmup'), parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
@@ -330,7 +331,7 @@ def build(args):
         bk.load_checkpoint(run, args.resume)
         print(f'resumed at step {run.step}, {run.episodes} episodes')
         return run
-    if bk.writer():
+    if parallel.writer():
         open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
     bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
     with run.autocast():
@@ -338,7 +339,7 @@ def build(args):
         print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
               (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
         if method.setup:
-            with bk.rank0_first():
+            with parallel.rank0_first():
                 bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
         run.setup_episodes = run.episodes
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
@@ -369,8 +370,8 @@ def frozen_copy(model):
 def main(argv=None):
     args = parse_args(argv)
     args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
-    bk.init_distributed(args.device)
-    if not args.resume and bk.writer():
+    parallel.init_distributed(args.device)
+    if not args.resume and parallel.writer():
         bk.claim_run_dir(os.path.join(args.out_dir, args.name), args.overwrite)
     print(json.dumps(dataclasses.asdict(args)))
     random.seed(args.seed)
@@ -382,7 +383,7 @@ def main(argv=None):
         guard.training = True
         spent = lambda: run.episodes - (run.setup_episodes if args.setup_free else 0)   # the budget's accounting
         bar = tqdm(total=args.episodes, initial=min(spent(), args.episodes), desc=f'{args.method} episodes',
-                   dynamic_ncols=True, disable=not bk.writer())
+                   dynamic_ncols=True, disable=not parallel.writer())
         while spent() < args.episodes and not guard.stop(run.device):                # the loop
             before = run.episodes
             with run.autocast():
@@ -393,7 +394,7 @@ def main(argv=None):
                     m = evaluate(run)
                 bar.set_postfix(reward=f"{m['reward']:.3f}", success=f"{m['success']:.3f}", **{k: f'{v:.2f}' for k, v in run.state.items()
                                                                    if isinstance(v, float)})
-                bk.check_in_sync(run)
+                parallel.check_in_sync(run)
                 bk.save_checkpoint(run)
                 bk.plot(run)
         bar.close()

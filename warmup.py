@@ -4,7 +4,7 @@ The tiny model starts from nothing, so before any method runs it is trained, sup
 noisy-expert demos (envs.*.demo), and taught to read a privileged context as an
 instruction-tuned LLM can: 60% of its demos (--warmup_ctx) come with a context in one of the
 forms the methods' teachers are shown, followed by a demo that uses it (warmup_demo). Its
-tokenizer is learned offline from the same kind of text (tokenizer_texts, model.bpe_ranks).
+tokenizer is learned offline from the same kind of text (tokenizer_texts, tokenizer.bpe_ranks).
 """
 import hashlib
 import json
@@ -21,6 +21,7 @@ import lopd
 import methods  # before lopd_method: methods imports it, so that LOPD is registered first
 import lopd_method
 import model as M
+import tokenizer
 
 WARMUP_THREADS = 2
 
@@ -83,7 +84,7 @@ def warmup_pool(env):
 
 
 def tokenizer_texts(env, n=2000):
-    """What the tiny model will read, for its BPE merges (model.bpe_ranks): warm-up demos, half
+    """What the tiny model will read, for its BPE merges (tokenizer.bpe_ranks): warm-up demos, half
     of them with a privileged context, and LOPD's reading frame. Deterministic, and the same for
     every instance of an environment, so it is made once per process."""
     if (env.name, n) not in _TEXTS:
@@ -125,8 +126,8 @@ def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
     key = json.dumps(['v8', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, M.SPECIALS,
-                      M.MAX_OBS_CHARS] + ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
+                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, tokenizer.SPECIALS,
+                      tokenizer.MAX_OBS_CHARS] + ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():

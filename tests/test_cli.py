@@ -291,3 +291,14 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
     assert (a.episodes, a.cold_start_steps) == (12, 5)
     assert dataclasses.asdict(train.parse_args(["--env", "codegen", "--episodes", "99", "--cold_start_steps", "5"])) == \
         dataclasses.asdict(train.parse_args(["--env", "codegen"]))  # the saved config holds the values used
+
+
+def test_the_gpu_check_script_runs_on_cpu(tmp_path):
+    """scripts/gpu_check.sh, the script a GPU machine runs, with tiny budgets on CPU: it trains and
+    prints its numbers (the CUDA path itself needs a GPU)."""
+    env = {**ENV, "DEVICE": "cpu", "QUICK": "1", "SMOL": "0", "OUT": str(tmp_path), "EXTRA": " ".join(TINY_BASE)}
+    p = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, text=True, capture_output=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads([line for line in p.stdout.splitlines() if line.startswith('{"run"')][-1])
+    assert out["run"] == "gpu-tiny-lopd" and out["device"] == "cpu" and out["peak_gpu_gib"] is None
+    assert out["train_s_per_step"] > 0 and 0 <= out["final_reward"] <= 1 and out["teacher_reward"] is not None

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
+import tokenizer  # noqa: E402
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a shared 2-core box
 LN2 = math.log(2)
@@ -34,7 +35,7 @@ def tiny(seed, vocab):
 
 @pytest.fixture(scope="module")
 def tok():
-    return M.byte_tokenizer()
+    return tokenizer.byte_tokenizer()
 
 
 @pytest.fixture(scope="module")

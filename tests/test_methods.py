@@ -15,6 +15,7 @@ import envs  # noqa: E402
 import bookkeeping as bk  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
+import tokenizer  # noqa: E402
 import methods  # noqa: E402
 import lopd_method  # noqa: E402
 import variants  # noqa: E402
@@ -83,7 +84,7 @@ def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_dem
         eps = [played(env, t, i % 3 == 0) for i, t in enumerate(tasks)]
         return eps, *zip(*[M.encode_episode(tok, e) for e in eps])
 
-    run = fake_run(env, "lopd", episodes=0, model=None, tok=M.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
+    run = fake_run(env, "lopd", episodes=0, model=None, tok=tokenizer.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
                    args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
                                               bank_capacity=1000, allow_same_task=False))
     run.state = {"bank": lopd_method.new_bank(run)}
@@ -378,7 +379,7 @@ def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
 
 def test_embed_context_frames_text_and_passes_the_rest():
     """A builder may answer text, an embedded prefix or None; the teacher phase gets prefixes, extras kept."""
-    tok = M.byte_tokenizer()
+    tok = tokenizer.byte_tokenizer()
     model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
     run = types.SimpleNamespace(teacher=model, tok=tok)
     z = torch.randn(3, 16)

@@ -17,6 +17,7 @@ import lopd  # noqa: E402
 import methods  # noqa: E402
 import lopd_method  # noqa: E402
 import model as M  # noqa: E402
+import tokenizer  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
@@ -31,7 +32,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def tok(env):
-    return M.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
+    return tokenizer.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
 
 
 def tools(traj):
@@ -87,13 +88,13 @@ def test_bpe_encodes_as_tiktokens_slow_reference_and_round_trips(env, tok):
                "<|eot|> é ☃ \x00 " * 3, "  \n\t x", "".join(chr(random.Random(s).randrange(0x20, 0x3000)) for s in range(80))]
     for text in hostile:
         got = tok.encode(text)
-        want = [t for piece in re.findall(M.PAT, text)
+        want = [t for piece in re.findall(tokenizer.PAT, text)
                 for t in edu.bpe_encode(ranks, piece.encode(), visualise=None)]
         assert got == want
         assert tok.decode(got) == text
         assert all(t < tok.n_ordinary for t in got)  # special-token strings stay literal text
     # deterministic, and a real saving over bytes
-    again = M.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
+    again = tokenizer.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
     assert again.enc._mergeable_ranks == tok.enc._mergeable_ranks
     text = methods.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
     assert len(tok.encode(text)) * 2 < len(text.encode())
@@ -103,9 +104,9 @@ def test_bpe_ranks_by_hand():
     # 'ab' is the commonest pair (4), then 'abc' (ab+c, 3) beats 'xy' (2)
     # pieces 'abc' ' abc' ' abc' ' ab' ' xy' ' xy': 'ab' is the commonest pair (4); then 'ab'+'c' and
     # ' '+'ab' tie at 3 and the larger pair wins ('ab' > ' '); then three pairs tie at 2 and 'x'+'y' wins
-    ranks = M.bpe_ranks(["abc abc abc ab xy xy"], 3)
+    ranks = tokenizer.bpe_ranks(["abc abc abc ab xy xy"], 3)
     assert [k for k, v in sorted(ranks.items(), key=lambda kv: kv[1])][256:] == [b"ab", b"abc", b"xy"]
-    assert len(M.bpe_ranks(["ab"], 50)) == 257  # stops when nothing is left to merge
+    assert len(tokenizer.bpe_ranks(["ab"], 50)) == 257  # stops when nothing is left to merge
 
 
 def lopd_run(tok, model, K=3, reader="frozen"):

@@ -29,6 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
+import tokenizer  # noqa: E402
 import tiny_hf  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
@@ -63,11 +64,11 @@ def test_the_body_reads_as_the_template_renders_the_conversation(hf, system):
         ep = episode(env, seed)
         ids, mask = M.encode_episode(tok, ep)
         msgs = [{"role": "system", "content": env.instructions}] if system else []   # the instructions: the system turn
-        msgs += [{"role": "user", "content": ep.task.prompt[:M.MAX_OBS_CHARS]}]
+        msgs += [{"role": "user", "content": ep.task.prompt[:tokenizer.MAX_OBS_CHARS]}]
         for action, obs in ep.turns:
             msgs.append({"role": "assistant", "content": action})
             if obs:
-                msgs.append({"role": "user", "content": obs[:M.MAX_OBS_CHARS]})
+                msgs.append({"role": "user", "content": obs[:tokenizer.MAX_OBS_CHARS]})
         rendered = tok.hf.apply_chat_template(msgs, tokenize=False)
         assert tok.hf.decode(tok.head() + ids) + "\n" == rendered      # the template's own text, to the last character
         # the mask is the assistant turns: each action and the <|im_end|> that closes it, nothing else
@@ -98,10 +99,10 @@ def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}",
                                              "<|im_start|>assistant {{ messages | length }}\n{% endif %}")
     with pytest.raises(ValueError, match="not one fixed layout"):
-        M.chat_layout(t)
+        tokenizer.chat_layout(t)
     t.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # no end-of-turn token
     with pytest.raises(ValueError, match="not one fixed layout"):
-        M.chat_layout(t)
+        tokenizer.chat_layout(t)
     t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}",
                                              "<|im_start|>assistant {{ messages | length }}\n{% endif %}")
     folder = tmp_path / "odd"
@@ -135,9 +136,9 @@ def test_a_template_without_a_system_role_gets_the_instructions_in_the_first_use
     t.chat_template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}" \
                       "{% endif %}{% endfor %}" + tiny_hf.CHATML
     env = envs.make_env("codegen")
-    tok = M.Tokenizer(hf=t, system=env.instructions)
+    tok = tokenizer.Tokenizer(hf=t, system=env.instructions)
     assert t.decode(tok.head()) == "<|im_start|>user\n" + env.instructions + "\n\n"
-    assert t.decode(M.Tokenizer(hf=t).head()) == "<|im_start|>user\n"      # none asked for: none there
+    assert t.decode(tokenizer.Tokenizer(hf=t).head()) == "<|im_start|>user\n"      # none asked for: none there
 
 
 def test_a_cut_turn_is_closed_by_the_end_of_turn_token_outside_the_mask(hf):
@@ -165,7 +166,7 @@ def test_every_turn_opens_as_the_agent_generated_it(hf):
     t = AutoTokenizer.from_pretrained(hf("qwen3"))
     think = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
     t.chat_template = tiny_hf.CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n" + think + "{% endif %}")
-    tok = M.Tokenizer(hf=t)
+    tok = tokenizer.Tokenizer(hf=t)
     ep = episode(envs.make_env("tooluse"))
     ids, mask = M.encode_episode(tok, ep)
     text = t.decode(tok.head() + ids)

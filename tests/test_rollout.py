@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
+import tokenizer  # noqa: E402
 import train  # noqa: E402
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a shared 2-core box
@@ -24,7 +25,7 @@ torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a share
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    tok, env = M.byte_tokenizer(), envs.make_env("tooluse")
+    tok, env = tokenizer.byte_tokenizer(), envs.make_env("tooluse")
     m = M.tiny_llama(tok.vocab_size, d_model=32, n_layer=2)
     rng = random.Random(0)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
