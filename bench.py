@@ -305,7 +305,7 @@ def main(argv=None):
     launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
     command = 'python bench.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
-            'commit': commit, 'code': train_code(), 'failed': failed}
+            'commit': commit, 'code': train_code(), 'failed': failed, **machine(), 'wall_s': round(time.time() - t0)}
     if o.tune:
         grid = {}
         for r in runs:
@@ -325,6 +325,14 @@ def main(argv=None):
     print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
           f'table in {os.path.relpath(table)}')
     sys.exit(1 if failed else 0)
+
+
+def machine():
+    """What a number was measured on: the date, the machine and the versions that decide it."""
+    import platform
+    from importlib.metadata import version
+    return {'date': time.strftime('%Y-%m-%d'), 'machine': f'{platform.machine()}, {os.cpu_count()} cores, {platform.system()}',
+            'python': platform.python_version(), 'torch': version('torch'), 'transformers': version('transformers')}
 
 
 def train_code():

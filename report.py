@@ -164,7 +164,9 @@ def write_results(cmp_dir, results, meta, target):
         return ('n/a (no grpo)' if target is None else 'not reached' if n is None else
                 '0 (GRPO ends ≤ base)' if n == 0 else str(n))  # 0: the target says nothing about speed
     md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
-          f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}); forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}), {meta.get('date', '?')}, "
+          f"{meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
+          f"{meta.get('wall_s', '?')} s in all; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
           f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
           f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
