@@ -22,16 +22,21 @@ def gap_rows(run, rollout, tasks):
     (greedy), overall and on opaque families, and the privileged-information utility statistics
     (pi_utility) on the student's own sampled rollouts. The teacher's context is the method's own,
     built on the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of
-    each group taken. LOPD and Traj-text also get the control: other-family experiences only (as latents, as text).
+    each group taken. Every teacher also gets two controls: the context of another family's task
+    (`donors`) and an empty one; LOPD and Traj-text a third: other-family experiences only (as latents, as text).
     -> {row name: (teacher success per task, rows that got a context, utility statistics)}."""
     import torch
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
-    contexts = {run.args.method: methods.embed_context(run, run.method.context(run, eps))[::G]}
+    m = run.args.method
+    ctx = list(methods.embed_context(run, run.method.context(run, eps)))[::G]
+    contexts = {m: ctx,  # and two controls (OP²SD's): another family's task's context, and the frame left empty
+                f'{m}-donor': [ctx[j] if j is not None else None for j in donors(tasks)],
+                f'{m}-empty': methods.embed_context(run, [''] * len(tasks))}
     others = lambda: lopd_method.retrieve(run, [e.task for e in eps[::G]], other_family=True)
-    if run.args.method == 'lopd':
+    if m == 'lopd':
         contexts['lopd-control'] = lopd_method.latents(run, eps[::G], grad=False, found=others())
-    if run.args.method == 'trajtext':  # the same control as text: what other families' experiences tell
+    if m == 'trajtext':  # the same control as text: what other families' experiences tell
         contexts['trajtext-control'] = methods.embed_context(run, [methods.bank_text(f) for f in others()])
     out = {}
     with torch.no_grad():
@@ -40,6 +45,13 @@ def gap_rows(run, rollout, tasks):
             out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])),
                          pi_utility(run, eps[::G], bodies[::G], masks[::G], ctx))
     return out
+
+
+def donors(tasks):
+    """For each task, the next one (cyclically) of another family, whose context it is shown as a control
+    (OP²SD's shuffled donor); None where every task is of one family."""
+    n = len(tasks)
+    return [next(((i + k) % n for k in range(1, n) if tasks[(i + k) % n].family != tasks[i].family), None) for i in range(n)]
 
 
 def pi_utility(run, eps, bodies, masks, ctx, rows=50):
@@ -154,18 +166,19 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
 
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
 GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  # this task's plan and answer
-             'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll'],        # the paper's cold start
-             'lopd-nll-stored': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_sample', 'stored'],  # ... and its sampling
-             'lopd-nll-reader': ['--method', 'lopd', '--cold_start', 'nll', '--reader', 'trained'],
+             'lopd-mlp': ['--method', 'lopd', '--composer', 'mlp', '--K', '4', '--cold_start_steps', '100',
+                          '--bank_source', 'rollouts'],                       # the earlier default: an MLP on the base's rollouts
+             'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_steps', '300'],  # the paper's cold start
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
-GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). lopd-control: LOPD\'s teacher with latents composed from other-family experiences only (must not help); '
-              'trajtext-control: the same other-family experiences shown as text; '
-              'lopd (default cold start): distils the teacher reading the experiences as text into it reading the latents; lopd-nll: the paper\'s cold start '
-              '(NLL of the successes given their latents); -stored: its rollouts drawn as stored, not family-balanced; -reader: a trainable reader; '
+GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). '
+              'Controls, for every teacher: -donor, the context built for another task of another family (OP²SD\'s shuffled donor); -empty, the context slot '
+              'with nothing in it (<|bos|><|ctx|>, then the task); lopd-control: LOPD\'s latents composed from other-family experiences only; trajtext-control: the same shown as text. '
+              'lopd-mlp: the earlier default (an MLP composer, K = 4, 100 text-to-latent cold-start steps, a bank of the base\'s rollouts); '
+              'lopd-nll: 300 steps of the paper\'s cold start (NLL of the successes given their latents) from the copy-started composer; '
               'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; -expert: the bank filled with the '
-              'scripted expert\'s demos instead of the base\'s rollouts (an upper bound, not the method).')
+              'scripted expert\'s demos (an upper bound, not the method).')
 
 
 # ----------------------------------------------------------------------------- memory (--memory)

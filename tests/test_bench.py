@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -319,7 +320,8 @@ def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
 
 def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
     """--teacher_gap builds each run in-process (warm-up cached, LOPD's cold start) and writes
-    one row per teacher, LOPD's other-family control included; the student's column is the
+    one row per teacher and its controls (another family's context, an empty one; LOPD's
+    other-family experiences); the student's column is the
     base's greedy success on the same tasks, recomputed here."""
     import numpy as np
     base_in(tmp_path)
@@ -328,7 +330,8 @@ def test_teacher_gap_report_on_the_tiny_base(tmp_path, capsys, base_in):
     bench.main(["--teacher_gap", "--methods", "opsd,lopd,lopd-expert", "--gap_tasks", "12", "--out_dir", str(tmp_path), *tiny])
     out = capsys.readouterr().out
     table = json.loads((tmp_path / "compare-tooluse" / "teacher_gap.json").read_text())
-    assert set(table) == {"student", "opsd", "lopd", "lopd-control", "lopd-expert", "lopd-expert-control"}
+    assert set(table) == {"student", "lopd-control", "lopd-expert-control",
+                          *(e + c for e in ["opsd", "lopd", "lopd-expert"] for c in ["", "-donor", "-empty"])}
     for name, row in table.items():
         assert 0 <= row["success"] <= 1 and (row["opaque"] is None or 0 <= row["opaque"] <= 1), name
     args = train.parse_args([*tiny, "--method", "lopd", "--out_dir", str(tmp_path), "--name", "check"])
@@ -370,3 +373,11 @@ def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
     assert corr["KL, failures"] == (None, 3)   # opsd has no failed rollout: 3 pairs, all of one value
     assert corr["KL, failures − successes"][1] == 3
     assert gap.utility_correlation(str(tmp_path / "nowhere"), table) is None
+
+
+def test_the_donor_of_a_task_is_the_next_task_of_another_family():
+    """OP²SD's shuffled-donor control: each task is shown the context of the next task (cyclically)
+    whose family differs from its own; with one family there is no donor."""
+    T = lambda f: types.SimpleNamespace(family=f)
+    assert gap.donors([T("a"), T("a"), T("b"), T("a"), T("c")]) == [2, 2, 3, 4, 0]
+    assert gap.donors([T("a"), T("a")]) == [None, None]
