@@ -169,8 +169,9 @@ def check_args(a, argv):
         die('--dtype bf16: this CUDA device does not support bfloat16; use --dtype fp32')
     if a.dtype == 'bf16' and parallel.pick_device(a.device).type == 'mps':
         die('--dtype bf16 is not supported on mps here; use --dtype fp32')
-    if a.model and a.model.startswith(('.', '/', '~')) and not os.path.isdir(os.path.expanduser(a.model)):
-        die(f'--model {a.model}: no such folder')
+    local = os.path.expanduser(a.model)
+    if a.model.startswith(('.', '/', '~')) and not (os.path.isdir(local) or local.endswith('.gguf') and os.path.isfile(local)):
+        die(f'--model {a.model}: no such folder' + (' or file' if local.endswith('.gguf') else ''))
     if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
         die(f'--out_dir {a.out_dir} is a file, not a folder')
 

@@ -144,6 +144,7 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--frozen_composer", "--method", "grpo"], ["--frozen_composer", "lopd"]),
     (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
     (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
+    (["--model", "/no/such/model.gguf"], ["--model", "/no/such/model.gguf", "file"]),
     (["--margin", "0.1", "--method", "grpo"], ["--margin", "lopd", "grpo"]),   # a flag of another method
     (["--teacher", "ema"], ["--teacher", "lopd"]),                             # LOPD's teacher is θ0 only
     (["--ema_rate", "1.5", "--method", "sdpo"], ["--ema_rate", "1.5"]),
@@ -302,3 +303,10 @@ def test_the_gpu_check_script_runs_on_cpu(tmp_path):
     out = json.loads([line for line in p.stdout.splitlines() if line.startswith('{"run"')][-1])
     assert out["run"] == "gpu-tiny-lopd" and out["device"] == "cpu" and out["peak_gpu_gib"] is None
     assert out["train_s_per_step"] > 0 and 0 <= out["final_reward"] <= 1 and out["teacher_reward"] is not None
+
+
+def test_a_gguf_file_given_by_its_path_passes_the_checks(tmp_path):
+    """--model /path/to/model.gguf names a file, not a folder: the check accepts it (loading is transformers')."""
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    assert train.parse_args(["--model", str(f)]).model == str(f)
