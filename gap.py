@@ -80,10 +80,17 @@ def spearman(x, y):
     return None if len(x) < 3 or rx.std() == 0 or ry.std() == 0 else float(np.corrcoef(rx, ry)[0, 1])
 
 
+def gain_pairs(res, table, stat):
+    """(entry, its method's statistic, final − base) for each (entry, seed) of a compare's results whose
+    method has a row in the teacher-gap table (an ablation takes its method's row: lopd-frozen uses lopd's)."""
+    return [(e, stat(table[row]), final - r['base_mean']) for e, r in res['entries'].items() if r
+            for row in [e if e in table else bench.method_of(e) if e in bench.ENTRIES else None]
+            if row in table and stat(table[row]) is not None for final in r['final']]
+
+
 def utility_correlation(cmp_dir, table):
     """How well each before-training statistic predicts each quick-compare run's gain over the base:
-    Spearman's ρ over the (entry, seed) pairs whose method has a row here (an ablation takes its
-    method's row: lopd-frozen uses lopd's). -> {statistic: (ρ, pairs)}, or None without results.json."""
+    Spearman's ρ over the (entry, seed) pairs. -> {statistic: (ρ, pairs)}, or None without results.json."""
     res = read_json(os.path.join(cmp_dir, 'results.json'))
     if not res:
         return None
@@ -92,10 +99,43 @@ def utility_correlation(cmp_dir, table):
              'KL, failures − successes': lambda r: None if None in (r['kl_failure'], r['kl_success']) else r['kl_failure'] - r['kl_success']}
     out = {}
     for name, f in stats.items():
-        pairs = [(f(table[row]), final - r['base_mean']) for e, r in res['entries'].items() if r
-                 for row in [e if e in table else bench.method_of(e) if e in bench.ENTRIES else None] if row in table and f(table[row]) is not None
-                 for final in r['final']]
+        pairs = [(x, y) for _, x, y in gain_pairs(res, table, f)]
         out[name] = (spearman(*zip(*pairs)) if pairs else None, len(pairs))
+    return out
+
+
+def ols(x, y):
+    """Least squares y ≈ a + b·x -> (slope b, intercept a, R²); R² None where y is constant."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    b = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    a = y.mean() - b * x.mean()
+    ss = ((y - y.mean()) ** 2).sum()
+    return float(b), float(a), float(1 - ((y - a - b * x) ** 2).sum() / ss) if ss > 0 else None
+
+
+def predictive_law(cmp_dir, table, n_boot=2000, seed=0, level=0.95):
+    """The predictive law of on-policy self-distillation (arXiv 2605.30070): a run's final gain over
+    its base is linear in its teacher's step-0 gap over the student. OLS over the (entry, seed) pairs
+    of the compare's results.json, with bootstrap intervals that resample whole entries (an entry's
+    seeds share one gap). -> {'slope'|'intercept'|'r2': (value, lo, hi), 'pairs', 'entries'}, or None
+    without results.json or with fewer than three distinct gaps."""
+    res = read_json(os.path.join(cmp_dir, 'results.json'))
+    pairs = gain_pairs(res, table, lambda r: r['success'] - table['student']['success']) if res else []
+    if len({x for _, x, _ in pairs}) < 3:
+        return None
+    entries = sorted({e for e, _, _ in pairs})
+    by_entry = {e: [(x, y) for f, x, y in pairs if f == e] for e in entries}
+    rng, fits = np.random.default_rng(seed), []
+    for _ in range(n_boot):
+        drawn = [xy for i in rng.integers(0, len(entries), len(entries)) for xy in by_entry[entries[i]]]
+        if len({x for x, _ in drawn}) > 1:
+            fits.append(ols(*zip(*drawn)))
+    point = ols([x for _, x, _ in pairs], [y for _, _, y in pairs])
+    out = {'pairs': len(pairs), 'entries': len(entries)}
+    for k, name in enumerate(['slope', 'intercept', 'r2']):
+        v = [f[k] for f in fits if f[k] is not None]
+        lo, hi = np.percentile(v, [50 * (1 - level), 50 * (1 + level)]) if v else (None, None)
+        out[name] = (point[k], None if lo is None else float(lo), None if hi is None else float(hi))
     return out
 
 
@@ -156,6 +196,13 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
                "an ablation takes its method's row):", '', '| statistic | ρ | pairs |', '|---|---|---|']
         md += [f'| {k} | {fmt(rho, "+.2f")} | {n} |' for k, (rho, n) in corr.items()]
         table['utility_correlation'] = {k: {'rho': rho, 'pairs': n} for k, (rho, n) in corr.items()}
+    law = predictive_law(cmp_dir, table)
+    if law:
+        iv = lambda k, f: f"{fmt(law[k][0], f)} [{fmt(law[k][1], f)}, {fmt(law[k][2], f)}]"
+        md += ['', f"The predictive law (arXiv 2605.30070), final gain = a + b · teacher gap, OLS over the {law['pairs']} "
+               f"(entry, seed) pairs of {law['entries']} entries, 95% intervals resampling entries: slope b = "
+               f"{iv('slope', '+.2f')}, intercept a = {iv('intercept', '+.3f')}, R² = {iv('r2', '.2f')}."]
+        table['predictive_law'] = law
     os.makedirs(cmp_dir, exist_ok=True)
     with open(os.path.join(cmp_dir, 'teacher_gap.json'), 'w') as f:
         json.dump(table, f, indent=1)

@@ -375,6 +375,45 @@ def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
     assert gap.utility_correlation(str(tmp_path / "nowhere"), table) is None
 
 
+def test_ols_against_a_slow_reference():
+    """Slope and intercept against the normal equations solved by numpy, R² against 1 − SSE/SST by hand;
+    points on a line fit exactly."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=12), rng.normal(size=12)
+    b, a, r2 = gap.ols(x, y)
+    (a_ref, b_ref), *_ = np.linalg.lstsq(np.stack([np.ones(12), x], 1), y, rcond=None)
+    assert (b, a) == (pytest.approx(b_ref), pytest.approx(a_ref))
+    assert r2 == pytest.approx(1 - sum((yi - a_ref - b_ref * xi) ** 2 for xi, yi in zip(x, y)) / sum((yi - y.mean()) ** 2 for yi in y))
+    assert gap.ols([0, 1, 2], [1, 3, 5]) == (pytest.approx(2.0), pytest.approx(1.0), pytest.approx(1.0))
+    assert gap.ols([0, 1, 2], [4, 4, 4])[2] is None
+
+
+def test_predictive_law_fits_the_pairs_and_resamples_whole_entries(tmp_path):
+    """The law's point estimate is the OLS over every (entry, seed) pair, ablations on their method's
+    gap; gains exactly linear in the gap give slope, intercept and R² with zero-width intervals;
+    fewer than three distinct gaps, or no results.json, give no law."""
+    table = {"student": {"success": 0.5}, "lopd": {"success": 0.8}, "opsd": {"success": 0.6}, "sdpo": {"success": 0.55}}
+    line = lambda g: 0.01 + 0.5 * g   # gain = 0.01 + 0.5 · gap
+    results = {"entries": {"lopd": {"final": [0.5 + line(0.3)] * 2, "base_mean": 0.5},
+                           "lopd-frozen": {"final": [0.5 + line(0.3)], "base_mean": 0.5},
+                           "opsd": {"final": [0.5 + line(0.1)] * 3, "base_mean": 0.5},
+                           "sdpo": {"final": [0.5 + line(0.05)], "base_mean": 0.5}, "grpo": {"final": [0.9], "base_mean": 0.5}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    law = gap.predictive_law(str(tmp_path), table, n_boot=200)
+    assert (law["pairs"], law["entries"]) == (7, 4)
+    for k, v in [("slope", 0.5), ("intercept", 0.01), ("r2", 1.0)]:
+        assert law[k][0] == pytest.approx(v) and law[k][1] == pytest.approx(v) and law[k][2] == pytest.approx(v), k
+    noisy = {**results["entries"], "opsd": {"final": [0.4, 0.7, 0.55], "base_mean": 0.5}}
+    (tmp_path / "results.json").write_text(json.dumps({"entries": noisy}))
+    law = gap.predictive_law(str(tmp_path), table, n_boot=200)
+    x = [0.3, 0.3, 0.3, 0.1, 0.1, 0.1, 0.05]
+    y = [line(0.3)] * 3 + [-0.1, 0.2, 0.05] + [line(0.05)]
+    assert law["slope"][0] == pytest.approx(gap.ols(x, y)[0]) and law["slope"][1] < law["slope"][0] < law["slope"][2]
+    del table["sdpo"]
+    assert gap.predictive_law(str(tmp_path), table) is None            # two distinct gaps
+    assert gap.predictive_law(str(tmp_path / "nowhere"), table) is None
+
+
 def test_the_donor_of_a_task_is_the_next_task_of_another_family():
     """OP²SD's shuffled-donor control: each task is shown the context of the next task (cyclically)
     whose family differs from its own; with one family there is no donor."""
