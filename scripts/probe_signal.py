@@ -13,6 +13,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
+import lopd  # noqa: E402
 import methods  # noqa: E402
 import model as M  # noqa: E402
 import train  # noqa: E402
@@ -30,10 +31,9 @@ with torch.no_grad():
         eps, bodies, masks = train.rollout(run.model, run.tok, env, tasks[i:i + 32])
         b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps]))
         teacher = train.teacher_phase(run, b)
-        ls = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, len(eps)), b.ids, b.attn, 0).log_softmax(-1)
-        lt = teacher.logits.log_softmax(-1)
-        fkl, rkl = (lt.exp() * (lt - ls)).sum(-1), (ls.exp() * (ls - lt)).sum(-1)    # (B, T) KL(T‖S), KL(S‖T)
-        agree = (ls.argmax(-1) == lt.argmax(-1)).float()
+        ls = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, len(eps)), b.ids, b.attn, 0)
+        fkl, rkl = lopd.divergence(ls, teacher.logits, 'fkl'), lopd.divergence(ls, teacher.logits, 'rkl')  # (B, T)
+        agree = (ls.argmax(-1) == teacher.logits.argmax(-1)).float()
         for r, e in enumerate(eps):
             if not teacher.keep[r]:
                 continue
