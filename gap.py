@@ -88,13 +88,18 @@ def gain_pairs(res, table, stat):
             if row in table and stat(table[row]) is not None for final in r['final']]
 
 
+def step0_gap(table):
+    """A row of the teacher-gap table -> its teacher's reward minus the student's, before training."""
+    return lambda r: r['success'] - table['student']['success']
+
+
 def utility_correlation(cmp_dir, table):
     """How well each before-training statistic predicts each quick-compare run's gain over the base:
     Spearman's ρ over the (entry, seed) pairs. -> {statistic: (ρ, pairs)}, or None without results.json."""
     res = read_json(os.path.join(cmp_dir, 'results.json'))
     if not res:
         return None
-    stats = {'teacher gap': lambda r: r['success'] - table['student']['success'], 'KL, successes': lambda r: r['kl_success'],
+    stats = {'teacher gap': step0_gap(table), 'KL, successes': lambda r: r['kl_success'],
              'KL, failures': lambda r: r['kl_failure'],
              'KL, failures − successes': lambda r: None if None in (r['kl_failure'], r['kl_success']) else r['kl_failure'] - r['kl_success']}
     out = {}
@@ -120,7 +125,7 @@ def predictive_law(cmp_dir, table, n_boot=2000, seed=0, level=0.95):
     seeds share one gap). -> {'slope'|'intercept'|'r2': (value, lo, hi), 'pairs', 'entries'}, or None
     without results.json or with fewer than three distinct gaps."""
     res = read_json(os.path.join(cmp_dir, 'results.json'))
-    pairs = gain_pairs(res, table, lambda r: r['success'] - table['student']['success']) if res else []
+    pairs = gain_pairs(res, table, step0_gap(table)) if res else []
     if len({x for _, x, _ in pairs}) < 3:
         return None
     entries = sorted({e for e, _, _ in pairs})
