@@ -16,7 +16,8 @@ Reported per entry (report.py): final held-out graded reward and success with 95
 intervals over tasks and seeds, the reward sampled at temperature 0.7, the area under the
 reward-vs-episodes curve / budget, the episodes the seed-mean curve needs to reach GRPO's
 final mean (the paper's sample-efficiency claim, counting the setup's episodes and not), base,
-teacher and wall time, LOPD's diagnostics, and the families the base solves. --teacher_gap and
+teacher and wall time, LOPD's diagnostics, the families the base solves, and what success
+hides: the held-out action types, the student's entropy and action length (actions.png). --teacher_gap and
 --memory (gap.py) train nothing.
 """
 import argparse
@@ -321,6 +322,7 @@ def main(argv=None):
         shown = {e: tuned_flags[e] + ENTRIES[e] for e in o.entries}
         report.write_results(cmp_dir, results, meta | {'seeds': o.seeds, 'tuned': bool(tuned), 'flags': shown}, target)
         report.plot_curves(os.path.join(cmp_dir, 'curves.png'), results, target)
+        report.plot_actions(os.path.join(cmp_dir, 'actions.png'), results)
         table = os.path.join(cmp_dir, 'results.md')
     print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
           f'table in {os.path.relpath(table)}')

@@ -160,6 +160,14 @@ class CodeGen:
         options = [w.format(k=k, j=j) for w in PROGRAM_FAMILIES[task.family][4]]
         return rng.choice([o for o in options if o != avoid])
 
+    @staticmethod
+    def action_kind(ep, i):
+        """Turn i's program, by its verdict: passed, wrong (ran, a test failed), runtime error, or
+        rejected by the safe evaluator (not a whitelisted lambda). A last turn's verdict is the feedback."""
+        verdict = ep.turns[i][1] or (ep.feedback if i == len(ep.turns) - 1 else '')
+        return ('passed' if verdict == 'correct' else 'rejected' if verdict.startswith('rejected') else
+                'runtime error' if verdict.startswith('error') else 'wrong')
+
     def trajectory_text(self, ep):
         """Every attempt with its verdict; a solved episode as its passing program alone, because that
         is what another task can reuse, and the only form in which the warm-up shows a past success

@@ -336,6 +336,37 @@ class ToolUse:
     def trajectory_text(ep):
         return '; '.join(f'{a} -> {o}' if o else a for a, o in ep.turns)
 
+    @staticmethod
+    def action_kind(ep, i):
+        """Turn i's action: a lookup, a mark of a person an earlier lookup returned, a blind mark (a
+        person no lookup returned: a guess), or malformed (not tool(arg))."""
+        m = CALL.match(ep.turns[i][0])
+        if m is None:
+            return 'malformed'
+        if m.group(1) != 'mark':
+            return 'lookup'
+        return 'mark' if any(o == m.group(2) for _, o in ep.turns[:i]) else 'blind mark'
+
+
+def action_stats(env, eps):
+    """What success hides (self-distillation can erase an agent's action types while its success rate
+    looks fine, arXiv 2606.12634): each action type's share of all actions, the share that repeat an
+    earlier action of the same episode, actions per episode, and characters per action.
+    e.g. one episode [lookup, the same lookup, mark] -> lookup 2/3, mark 1/3, repeated 1/3, 3 per episode."""
+    kinds, repeated, chars, n = {}, 0, 0, 0
+    for e in eps:
+        seen = set()
+        for i, (a, _) in enumerate(e.turns):
+            k = env.action_kind(e, i)
+            kinds[k] = kinds.get(k, 0) + 1
+            repeated += a in seen
+            seen.add(a)
+            chars += len(a)
+            n += 1
+    n_ = max(n, 1)
+    return {**{k: c / n_ for k, c in sorted(kinds.items())}, 'repeated': repeated / n_,
+            'actions_per_episode': n / max(len(eps), 1), 'chars_per_action': chars / n_}
+
 
 # the other environments, in files of their own (they build on the classes above)
 from tooluse_v1 import ToolUseV1  # noqa: E402

@@ -27,6 +27,7 @@ GRPO, Shao et al. 2024; PPO, Schulman et al. 2017; Skill-SD, Wang et al. 2026 (t
 importance-weighted k3 term); k3, Schulman 2020 ("Approximating KL divergence").
 """
 import functools
+import math
 
 import torch
 import torch.nn as nn
@@ -85,6 +86,12 @@ def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
     """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T)."""
     return per_position(lambda s, t: divergence_from_logp(F.log_softmax(_f32(s), -1), F.log_softmax(_f32(t), -1), kind, beta),
                         logits_s, logits_t)
+
+
+def entropy(logits):
+    """H(π) = −Σ_v π log π per position. (N, V) logits -> (N,), float32 (lopd.per_position maps it over (B, T))."""
+    logp = F.log_softmax(_f32(logits), -1)
+    return -(logp.exp() * logp).masked_fill(logp == -math.inf, 0.0).sum(-1)   # 0·log 0 counts as 0
 
 
 def _with_tail(topk_logp):

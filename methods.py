@@ -133,6 +133,8 @@ def with_default(run, prefixes):
 DISTILL_FLAGS = {  # read by every method whose loss is the distillation loss
     'divergence': arg('', "distillation divergence D ('' = the method's)", choices=['rkl', 'fkl', 'jsd'], after_setup=True),
     'topk': arg(0, 'distil over the teacher top-k + one tail bucket (0 = full vocabulary)', lo=0, after_setup=True),
+    'epochs': arg(1, 'student updates on each batch of rollouts, all toward the teacher scores computed once '
+                  '(a fixed target: no ratio to correct, unlike a policy gradient)', lo=1, after_setup=True),
 }
 TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is trained against θ0 only)
     'teacher': arg('', "the teacher's weights ('' = the method's)", choices=['frozen', 'ema', 'live'], after_setup=True),
@@ -221,6 +223,7 @@ register('opsd', Method(distill, context=opsd_context, teacher='frozen', diverge
                         state=pool_state, setup=build_pool,
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
                         bench={'opsd': dict(tune=DISTILL_LR, cost=550, quick=True),
+                               'opsd-rkl': dict(flags=['--divergence', 'rkl', '--lr', '3e-4'], cost=550, quick=True),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
                                                    cost=550, quick=True)}))
 

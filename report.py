@@ -112,7 +112,27 @@ def summarize(run_dirs, budget):
     keys = ['episodes', 'training_episodes', 'reward', 'success', 'teacher_reward', 'student_reward_same_tasks', 'beta', 'delta',
             'anchor', 'family_hit', 'phi_grad_kl', 'phi_grad_margin', 'phi_grad_anchor']
     row['evals'] = [[{k: m.get(k) for k in keys} for m in ev] for _, _, ev in runs]
+    row['actions'] = action_summary([ev for _, _, ev in runs], x)
     return row
+
+
+def action_summary(evs, x):
+    """What success hides: the action-type shares of the first and the last evaluation (seed means), and,
+    on the eval points x, the seed-mean curves of the student's entropy on its training rollouts and of
+    its held-out actions' length. None for runs that logged no action types."""
+    if not any(m.get('actions') for ev in evs for m in ev):
+        return None
+
+    def means(ds):
+        ds = [d for d in ds if d]
+        return {k: float(np.mean([d.get(k, 0.0) for d in ds])) for k in sorted({k for d in ds for k in d})}
+
+    def curve(get):  # each seed's points where the value exists, linear in between
+        ys = [np.interp(x, *zip(*pts)) for pts in ([(m['episodes'], get(m)) for m in ev if get(m) is not None] for ev in evs) if pts]
+        return np.mean(ys, 0).tolist() if ys else None
+    return {'base': means([ev[0].get('actions') for ev in evs]), 'final': means([ev[-1].get('actions') for ev in evs]),
+            'episodes': x.tolist(), 'entropy': curve(lambda m: m.get('entropy')),
+            'chars_per_action': curve(lambda m: (m.get('actions') or {}).get('chars_per_action'))}
 
 
 def family_means(evals):
@@ -192,6 +212,7 @@ def write_results(cmp_dir, results, meta, target):
     md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
            for e, r in results.items() if r and r['diagnostics']]
     md += forgetting_table(results)
+    md += actions_table(results)
     if meta['failed']:
         md += ['', 'Failed runs (see logs/): ' + ', '.join(meta['failed'])]
     with open(os.path.join(cmp_dir, 'results.md'), 'w') as f:
@@ -213,6 +234,64 @@ def forgetting_table(results, solved=0.8):
           '| family | base | ' + ' | '.join(names) + ' |', '|---|---|' + '---|' * len(names)]
     return md + [f'| {f} | {base[f]:.2f} | ' + ' | '.join(fmt(results[e]['family_final'].get(f), '.2f') for e in names) + ' |'
                  for f in fams]
+
+
+SHAPE = ('repeated', 'actions_per_episode', 'chars_per_action')  # action_stats' keys that are not an action type
+
+
+def actions_table(results):
+    """Held-out action types at the last evaluation (seed means; the base's from the first), with the
+    student's entropy on its training rollouts: a method can keep its success and lose an action type."""
+    rows = {e: r['actions'] for e, r in results.items() if r and r.get('actions')}
+    if not rows:
+        return []
+    base = next(iter(rows.values()))['base']
+    kinds = sorted({k for a in rows.values() for k in a['final']} - set(SHAPE))
+    line = lambda name, d, h: (f'| {name} | ' + ' | '.join(fmt(d.get(k, 0.0)) for k in kinds) +
+                               f" | {fmt(d.get('repeated'))} | {fmt(d.get('actions_per_episode'), '.2f')} | "
+                               f"{fmt(d.get('chars_per_action'), '.1f')} | {fmt(h)} |")
+    return (['', 'What success hides: each action type\'s share of the held-out actions (greedy), actions that repeat an '
+             'earlier one of the episode, actions per episode, characters per action, and the student\'s mean entropy per '
+             'agent token on its last training rollouts (seed means):', '',
+             '| entry | ' + ' | '.join(kinds) + ' | repeated | actions / episode | chars / action | entropy |',
+             '|---|' + '---|' * (len(kinds) + 4), line('base', base, None)] +
+            [line(e, a['final'], (a['entropy'] or [None])[-1]) for e, a in rows.items()])
+
+
+def plot_actions(path, results):
+    """One figure per compare: the final action-type shares per entry (stacked; the base first), and the
+    student's entropy and action length over training."""
+    rows = {e: r['actions'] for e, r in results.items() if r and r.get('actions')}
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    bars = {'base': next(iter(rows.values()))['base'], **{e: a['final'] for e, a in rows.items()}}
+    kinds = sorted({k for d in bars.values() for k in d} - set(SHAPE))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    left = np.zeros(len(bars))
+    for k in kinds:
+        w = np.array([d.get(k, 0.0) for d in bars.values()])
+        ax[0].barh(list(bars), w, left=left, label=k)
+        left += w
+    ax[0].invert_yaxis()
+    ax[0].set(xlabel='share of held-out actions (last evaluation)', xlim=(0, 1))
+    ax[0].legend(fontsize=7, loc='lower right')
+    for e, a in rows.items():
+        if a['entropy']:
+            ax[1].plot(a['episodes'], a['entropy'], '-', marker='.', label=e)
+        if a['chars_per_action']:
+            ax[2].plot(a['episodes'], a['chars_per_action'], '-', marker='.', label=e)
+    ax[1].set(xlabel='episodes sampled', ylabel='entropy per agent token (training rollouts)')
+    ax[2].set(xlabel='episodes sampled', ylabel='characters per held-out action')
+    for a in ax[1:]:
+        a.grid(alpha=0.3)
+    ax[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def plot_curves(path, results, target):

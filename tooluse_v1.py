@@ -195,3 +195,12 @@ class ToolUseV1:
     def trajectory_text(self, ep):
         parts = [f'{a} -> {o}' if o else a for a, o in ep.turns]
         return '; '.join(parts)
+
+    @staticmethod
+    def action_kind(ep, i):
+        """Turn i's action: a tool call, an answer after at least one call, a blind answer (no call
+        before it: a guess), or malformed."""
+        a = ep.turns[i][0]
+        if a.startswith('answer '):
+            return 'answer' if any(CALL.match(b) for b, _ in ep.turns[:i]) else 'blind answer'
+        return 'call' if CALL.match(a) else 'malformed'

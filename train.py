@@ -225,12 +225,16 @@ def teacher_phase(run, b):
 
 
 def student_phase(run, b, teacher):
-    """Step 5: one step of θ on the method's loss; the student scores every prefix in one forward.
-    -> the student's logits (detached, for an after-step hook) and the loss."""
-    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk)   # (B, T, V)
+    """Step 5: one step of θ on the method's loss (--epochs steps for a distillation method, on the
+    same rollouts and teacher scores); the student scores every prefix in one forward.
+    -> the student's logits before the first step (detached, for an after-step hook) and its loss."""
+    score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk)
+    logits_s = score()                                                          # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
     bk.optimizer_step(run, run.opt, loss, run.model)
+    for _ in range(run.args.epochs - 1):
+        bk.optimizer_step(run, run.opt, run.method.loss(run, b, score(), teacher), run.model)
     if run.teacher_kind == 'ema':
         lopd.ema_update(run.teacher, M.trained(run.model), run.args.ema_rate or run.method.ema_rate)
     return logits_s, loss.item()
@@ -250,7 +254,9 @@ def train_step(run):
         teacher = teacher_phase(run, b)
     with run.timer('student'):
         logits_s, loss = student_phase(run, b, teacher)
-    logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), **m.after_step(run, b, logits_s, teacher)}
+    entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), b.amask).item()   # what success hides: does it collapse?
+    logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
+            **m.after_step(run, b, logits_s, teacher)}
     for k, v in logs.items():
         run.log.setdefault(k, []).append(v)
     run.step += 1
@@ -271,6 +277,7 @@ def evaluate(run):
         eps = play(tasks, greedy=True)
         out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
         out['family'] = by_family(eps)
+        out['actions'] = envs.action_stats(run.env, eps)
         out['task_reward'] = [round(e.reward, 4) for e in eps]
         if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
             with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):

@@ -220,7 +220,7 @@ def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
     out, err = capsys.readouterr()
     assert e.value.code == 0, out + err[-3000:]
     cmp = tmp_path / "compare-tooluse"
-    for f in ["results.md", "results.json", "curves.png"]:
+    for f in ["results.md", "results.json", "curves.png", "actions.png"]:
         assert (cmp / f).is_file(), f
     rows = [line.split("|")[1].strip() for line in (cmp / "results.md").read_text().splitlines() if line.startswith("| ")]
     assert rows[1:3] == ["lopd", "grpo"]  # after the header row
@@ -230,6 +230,10 @@ def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
     assert "teacher_reward" in lo["diagnostics"] and "beta_final" in lo["diagnostics"]
     assert len(lo["curve"]["episodes"]) == len(lo["curve"]["mean"]) >= 2
     assert (cmp / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # what success hides: the action types of the first and last evaluation, the entropy once trained
+    acts = lo["actions"]
+    assert set(acts["base"]) >= {"repeated", "actions_per_episode", "chars_per_action"} and acts["entropy"][-1] > 0
+    assert "What success hides" in (cmp / "results.md").read_text()
     logs = sorted(os.listdir(cmp / "logs"))
     assert len(logs) == 2 and all(n.startswith("cmp-") and n.endswith("-s1.log") for n in logs)
     last = out.strip().splitlines()[-1]
@@ -420,3 +424,28 @@ def test_the_donor_of_a_task_is_the_next_task_of_another_family():
     T = lambda f: types.SimpleNamespace(family=f)
     assert gap.donors([T("a"), T("a"), T("b"), T("a"), T("c")]) == [2, 2, 3, 4, 0]
     assert gap.donors([T("a"), T("a")]) == [None, None]
+
+
+def test_action_summary_and_table_on_fake_runs(tmp_path):
+    """Seed means of the first and last evaluation's action types, and the entropy curve on the union
+    of eval points (the first evaluation has no entropy: nothing was trained yet)."""
+    d = str(tmp_path)
+    for seed, (lookups, ent) in enumerate([(0.6, 1.0), (0.8, 3.0)], 1):
+        fake_run(f"{d}/l{seed}", "lopd", seed, [0, 1024], [0.5, 0.6])
+        rows = [json.loads(line) for line in open(f"{d}/l{seed}/metrics.jsonl")]
+        rows[0]["actions"] = {"lookup": 0.5, "mark": 0.5, "repeated": 0.0, "actions_per_episode": 2.0, "chars_per_action": 7.0}
+        rows[1].update(entropy=ent, actions={"lookup": lookups, "mark": 1 - lookups, "repeated": 0.1,
+                                             "actions_per_episode": 3.0, "chars_per_action": 8.0})
+        with open(f"{d}/l{seed}/metrics.jsonl", "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    r = report.summarize([f"{d}/l1", f"{d}/l2"], 1024)
+    a = r["actions"]
+    assert a["base"]["lookup"] == 0.5 and a["final"]["lookup"] == pytest.approx(0.7) and a["final"]["mark"] == pytest.approx(0.3)
+    assert a["entropy"] == pytest.approx([2.0, 2.0]) and a["chars_per_action"] == pytest.approx([7.0, 8.0])
+    table = report.actions_table({"lopd": r})
+    assert table[3].startswith("| entry | lookup | mark | repeated |")
+    assert table[5] == "| base | 0.500 | 0.500 | 0.000 | 2.00 | 7.0 | — |"
+    assert table[6] == "| lopd | 0.700 | 0.300 | 0.100 | 3.00 | 8.0 | 2.000 |"
+    assert report.plot_actions(f"{d}/a.png", {"lopd": r}) and open(f"{d}/a.png", "rb").read(4) == b"\x89PNG"
+    fake_run(f"{d}/g1", "grpo", 1, [0, 1024], [0.5, 0.6])  # a run that logged no action types: no summary
+    assert report.summarize([f"{d}/g1"], 1024)["actions"] is None and not report.plot_actions(f"{d}/b.png", {"grpo": None})

@@ -73,6 +73,10 @@ def test_two_attempts_with_feedback():
     assert ep.feedback.startswith('error f(') or ep.feedback.startswith('failed f(')
     assert ENV.trajectory_text(ep).startswith('lambda x: x -> ') and ENV.trajectory_text(ep).endswith('; lambda x: x[0]')
     assert ENV.step(ep, t.solution).reward == 0.0  # nothing happens after the end
+    # action types read each program's verdict (the last one's is the feedback)
+    kinds = lambda acts: [ENV.action_kind(e, i) for e in [play(ENV, t, acts)] for i in range(len(e.turns))]
+    assert kinds(['lambda x: x', t.solution]) == ['wrong', 'passed']
+    assert kinds(['import os', 'lambda x: x[99]']) == ['rejected', 'runtime error']
 
 
 # ----------------------------------------------------------------------------- evaluator semantics

@@ -207,3 +207,11 @@ def test_junk_actions_never_raise_and_episodes_end(env, actions, i):
     assert ep.done and n <= env.max_turns and len(ep.turns) <= env.max_turns
     assert all(len(act) <= 2 * envs.MAX_ACTION_CHARS for act, _ in ep.turns)
     assert len(env.trajectory_text(ep)) < 10_000
+
+
+def test_action_types_call_answer_blind_answer_malformed(env):
+    t = env.eval_tasks[0]
+    ep = envs.play(env, t, ["hello", "boss(al)", f"answer {t.answer}"])
+    assert [env.action_kind(ep, i) for i in range(3)] == ["malformed", "call", "answer"]
+    blind = envs.play(env, t, ["answer nobody"])
+    assert env.action_kind(blind, 0) == "blind answer" and envs.action_stats(env, [blind])["blind answer"] == 1.0

@@ -151,6 +151,12 @@ def test_divergences_by_hand_on_three_tokens():
     assert lopd.divergence(p, q, "fkl").item() == pytest.approx(0.325336, abs=1e-6)
 
 
+def test_entropy_by_hand_and_through_per_position():
+    """H([1/2, 1/4, 1/4]) = 1.5 ln 2; a one-hot is 0 (0·log 0 = 0); per_position maps it over (B, T)."""
+    h = lopd.per_position(lopd.entropy, torch.cat([as_logits([0.5, 0.25, 0.25]), as_logits([1.0, 0.0, 0.0])], 1))
+    assert h.shape == (1, 2) and h[0, 0].item() == pytest.approx(1.5 * LN2) and h[0, 1].item() == 0.0
+
+
 def test_rkl_ignores_zero_student_mass():
     # 0·log 0 = 0: p = [1/2, 1/2, 0], q uniform -> KL(p‖q) = ln(3/2) = 0.405465
     p, q = as_logits([0.5, 0.5, 0.0]), as_logits([1 / 3] * 3)

@@ -324,6 +324,30 @@ def test_evaluation_changes_no_state_and_logs_nothing(out, name):
             assert m[k] == (float(np.mean(vals)) if vals else None), k
 
 
+def test_epochs_are_student_updates_toward_one_teacher_scoring(out, monkeypatch):
+    """--epochs 3: the teacher scores the batch once, the student takes 3 steps on it, each loss from
+    a fresh forward of the updated θ toward the same teacher logits; the after-step hook gets the
+    logits of before the first step."""
+    os.makedirs(out / "opsd-epochs", exist_ok=True)
+    run = tiny_run(out, "opsd", "--epochs", "3", "--name", "opsd-epochs")
+    calls, losses, teachers = {"teacher": 0}, [], []
+    phase, loss = train.teacher_phase, run.method.loss
+
+    def count_teacher(*a):
+        calls["teacher"] += 1
+        return phase(*a)
+
+    def record(run_, b, logits_s, teacher):
+        teachers.append(teacher)
+        losses.append(loss(run_, b, logits_s, teacher))
+        return losses[-1]
+    monkeypatch.setattr(train, "teacher_phase", count_teacher)
+    monkeypatch.setattr(run.method, "loss", record)
+    train.train_step(run)
+    assert calls["teacher"] == 1 and len(losses) == 3 and all(t is teachers[0] for t in teachers)
+    assert len({round(x.item(), 7) for x in losses}) == 3  # θ moved between the steps
+
+
 def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out, monkeypatch):
     """The bank holds only task A (3 copies), so A retrieves nothing (its own instance is
     forbidden) and B retrieves A's: A's rollout gets no teacher, and the student and composer

@@ -166,3 +166,15 @@ def test_junk_actions_never_raise_and_episodes_end(env, actions, i):
     assert ep.reward == sum(t in ep.state["marked"] for t in task.world["targets"]) / len(task.world["targets"])
     assert all(p in task.world["people"] for p in ep.state["marked"])
     assert all(len(act) <= 2 * envs.MAX_ACTION_CHARS for act, _ in ep.turns)
+
+
+def test_action_types_and_their_shares_on_a_hand_built_episode(env):
+    """What success hides: a lookup, the same lookup again (repeated), a mark of a person a lookup
+    returned, a guessed (blind) mark, and text that is no tool call."""
+    task = hand_task(["zorb", "mentor"])             # targets flo and cy
+    ep = play(env, task, ["manager(bo)", "manager(bo)", "say hi", "mark(ed)", "mark(cy)"])   # two marks end it
+    assert [env.action_kind(ep, i) for i in range(5)] == ["lookup", "lookup", "malformed", "mark", "blind mark"]
+    s = envs.action_stats(env, [ep, play(env, task, ["manager(bo)"])])
+    assert s == {"lookup": 3 / 6, "mark": 1 / 6, "blind mark": 1 / 6, "malformed": 1 / 6, "repeated": 1 / 6,
+                 "actions_per_episode": 3.0, "chars_per_action": sum(map(len, ["manager(bo)"] * 3 + ["mark(ed)", "mark(cy)", "say hi"])) / 6}
+    assert envs.action_stats(env, []) == {"repeated": 0.0, "actions_per_episode": 0.0, "chars_per_action": 0.0}
