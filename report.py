@@ -127,11 +127,14 @@ def action_summary(evs, x):
         ds = [d for d in ds if d]
         return {k: float(np.mean([d.get(k, 0.0) for d in ds])) for k in sorted({k for d in ds for k in d})}
 
-    def curve(get):  # each seed's points where the value exists, linear in between
-        ys = [np.interp(x, *zip(*pts)) for pts in ([(m['episodes'], get(m)) for m in ev if get(m) is not None] for ev in evs) if pts]
-        return np.mean(ys, 0).tolist() if ys else None
+    def curve(get):  # each seed's points where the value exists, linear in between, on the span all seeds cover
+        pts = [p for p in ([(m['episodes'], get(m)) for m in ev if get(m) is not None] for ev in evs) if p]
+        if not pts:
+            return None
+        xs = x[(x >= max(p[0][0] for p in pts)) & (x <= min(p[-1][0] for p in pts))]
+        return {'episodes': xs.tolist(), 'mean': np.mean([np.interp(xs, *zip(*p)) for p in pts], 0).tolist()}
     return {'base': means([ev[0].get('actions') for ev in evs]), 'final': means([ev[-1].get('actions') for ev in evs]),
-            'episodes': x.tolist(), 'entropy': curve(lambda m: m.get('entropy')),
+            'entropy': curve(lambda m: m.get('entropy')),
             'chars_per_action': curve(lambda m: (m.get('actions') or {}).get('chars_per_action'))}
 
 
@@ -255,7 +258,7 @@ def actions_table(results):
              'agent token on its last training rollouts (seed means):', '',
              '| entry | ' + ' | '.join(kinds) + ' | repeated | actions / episode | chars / action | entropy |',
              '|---|' + '---|' * (len(kinds) + 4), line('base', base, None)] +
-            [line(e, a['final'], (a['entropy'] or [None])[-1]) for e, a in rows.items()])
+            [line(e, a['final'], a['entropy'] and a['entropy']['mean'][-1]) for e, a in rows.items()])
 
 
 def plot_actions(path, results):
@@ -269,7 +272,7 @@ def plot_actions(path, results):
     import matplotlib.pyplot as plt
     bars = {'base': next(iter(rows.values()))['base'], **{e: a['final'] for e, a in rows.items()}}
     kinds = sorted({k for d in bars.values() for k in d} - set(SHAPE))
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.8))
     left = np.zeros(len(bars))
     for k in kinds:
         w = np.array([d.get(k, 0.0) for d in bars.values()])
@@ -277,12 +280,12 @@ def plot_actions(path, results):
         left += w
     ax[0].invert_yaxis()
     ax[0].set(xlabel='share of held-out actions (last evaluation)', xlim=(0, 1))
-    ax[0].legend(fontsize=7, loc='lower right')
-    for e, a in rows.items():
-        if a['entropy']:
-            ax[1].plot(a['episodes'], a['entropy'], '-', marker='.', label=e)
-        if a['chars_per_action']:
-            ax[2].plot(a['episodes'], a['chars_per_action'], '-', marker='.', label=e)
+    ax[0].legend(fontsize=7, ncol=len(kinds), loc='lower center', bbox_to_anchor=(0.5, 1.0))
+    colors = plt.get_cmap('tab20').colors  # more entries than tab10 has colours
+    for i, (e, a) in enumerate(rows.items()):
+        for j, k in ((1, 'entropy'), (2, 'chars_per_action')):
+            if a[k]:
+                ax[j].plot(a[k]['episodes'], a[k]['mean'], '-', marker='.', color=colors[i % 20], label=e)
     ax[1].set(xlabel='episodes sampled', ylabel='entropy per agent token (training rollouts)')
     ax[2].set(xlabel='episodes sampled', ylabel='characters per held-out action')
     for a in ax[1:]:

@@ -232,7 +232,7 @@ def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
     assert (cmp / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # what success hides: the action types of the first and last evaluation, the entropy once trained
     acts = lo["actions"]
-    assert set(acts["base"]) >= {"repeated", "actions_per_episode", "chars_per_action"} and acts["entropy"][-1] > 0
+    assert set(acts["base"]) >= {"repeated", "actions_per_episode", "chars_per_action"} and acts["entropy"]["mean"][-1] > 0
     assert "What success hides" in (cmp / "results.md").read_text()
     logs = sorted(os.listdir(cmp / "logs"))
     assert len(logs) == 2 and all(n.startswith("cmp-") and n.endswith("-s1.log") for n in logs)
@@ -441,7 +441,8 @@ def test_action_summary_and_table_on_fake_runs(tmp_path):
     r = report.summarize([f"{d}/l1", f"{d}/l2"], 1024)
     a = r["actions"]
     assert a["base"]["lookup"] == 0.5 and a["final"]["lookup"] == pytest.approx(0.7) and a["final"]["mark"] == pytest.approx(0.3)
-    assert a["entropy"] == pytest.approx([2.0, 2.0]) and a["chars_per_action"] == pytest.approx([7.0, 8.0])
+    assert a["entropy"] == {"episodes": [1024], "mean": pytest.approx([2.0])}  # not before any training step
+    assert a["chars_per_action"] == {"episodes": [0, 1024], "mean": pytest.approx([7.0, 8.0])}
     table = report.actions_table({"lopd": r})
     assert table[3].startswith("| entry | lookup | mark | repeated |")
     assert table[5] == "| base | 0.500 | 0.500 | 0.000 | 2.00 | 7.0 | — |"
