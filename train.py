@@ -254,7 +254,8 @@ def train_step(run):
         teacher = teacher_phase(run, b)
     with run.timer('student'):
         logits_s, loss = student_phase(run, b, teacher)
-    entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), b.amask).item()   # what success hides: does it collapse?
+    with torch.no_grad():  # what success hides: does the student's entropy collapse?
+        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), b.amask).item()
     logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             **m.after_step(run, b, logits_s, teacher)}
     for k, v in logs.items():
