@@ -348,6 +348,14 @@ class ToolUse:
         return 'mark' if any(o == m.group(2) for _, o in ep.turns[:i]) else 'blind mark'
 
 
+def by_family(eps):
+    """Mean graded reward per task family."""
+    fam = {}
+    for e in eps:
+        fam.setdefault(e.task.family, []).append(e.reward)
+    return {f: sum(v) / len(v) for f, v in fam.items()}
+
+
 def action_stats(env, eps):
     """What success hides (self-distillation can erase an agent's action types while its success rate
     looks fine, arXiv 2606.12634): each action type's share of all actions, the share that repeat an

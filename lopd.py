@@ -27,7 +27,6 @@ GRPO, Shao et al. 2024; PPO, Schulman et al. 2017; Skill-SD, Wang et al. 2026 (t
 importance-weighted k3 term); k3, Schulman 2020 ("Approximating KL divergence").
 """
 import functools
-import math
 
 import torch
 import torch.nn as nn
@@ -91,7 +90,7 @@ def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
 def entropy(logits):
     """H(π) = −Σ_v π log π per position. (N, V) logits -> (N,), float32 (lopd.per_position maps it over (B, T))."""
     logp = F.log_softmax(_f32(logits), -1)
-    return -(logp.exp() * logp).masked_fill(logp == -math.inf, 0.0).sum(-1)   # 0·log 0 counts as 0
+    return -_kl(logp, torch.zeros_like(logp))                                  # Σ π (log π − 0), 0·log 0 = 0
 
 
 def _with_tail(topk_logp):

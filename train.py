@@ -8,12 +8,9 @@ One LOPD training step (Zhang et al. 2026, arXiv 2608.13040; one rollout per tas
   5. student_phase   one optimizer step of θ on L_distill = Σ_{t∈A} KL(π_θ ‖ sg π_T) / |A|
   6. composer_phase  one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖²; β ← max(0, β + η_β(m − Δ))
   7. write_back      new successful rollouts go into the bank
-Before step 1, once: the warm-up (supervised on noisy-expert demos, 60% of them with a
-privileged context to read, cached under runs/ and shared by every method) and the method's
-setup (LOPD's cold start: fill the bank with base rollouts, which count toward the episode
-budget, then pre-train φ so that the frozen teacher reading the latents acts as it does reading
-the same experiences as text; `--cold_start nll` is the paper's, the teacher's NLL of
-successful trajectories given the latents of their retrieved experiences).
+Before step 1, once: the warm-up (warmup.py, cached under runs/, shared by every method) and
+the method's setup (LOPD's: fill the bank, counted toward the episode budget; optionally
+pre-train φ, `--cold_start nll` on the paper's objective).
 
 Every method goes through the same train_step: rollout -> teacher_phase (the method's context
 builder, steps 2-3 for LOPD) -> student_phase (its loss) -> its after-step hook (steps 6-7 for
@@ -144,15 +141,15 @@ def parse_args(argv=None):
         a.score_chunk = 256 if a.model else 0
     if a.export:
         a.resume = a.resume or a.export
-    check_args(a, argv)
+    check_args(a, given)
     return bk.resume_config(a, argv, Config) if a.resume else a
 
 
-def check_args(a, argv):
-    """What argparse's choices and the fields' ranges do not cover: one line each, exit status 2."""
+def check_args(a, given):
+    """What argparse's choices and the fields' ranges do not cover (given: the flags on the command
+    line): one line each, exit status 2."""
     bk.check_ranges(a)
     m = methods.METHODS[a.method]
-    given = {t[2:].split('=')[0] for t in argv if t.startswith('--')}
     for k in sorted(given - set(m.flags)):
         if methods.readers(k):
             die(f'--{k} applies to {", ".join(methods.readers(k))} only, not {a.method}')
@@ -165,10 +162,9 @@ def check_args(a, argv):
         die(f'--resume path does not exist: {a.resume}')
     if a.device == 'cuda' and not torch.cuda.is_available():
         die('--device cuda asked for, but torch sees no CUDA device')
-    if a.dtype == 'bf16' and parallel.pick_device(a.device).type == 'cuda' and not torch.cuda.is_bf16_supported():
-        die('--dtype bf16: this CUDA device does not support bfloat16; use --dtype fp32')
-    if a.dtype == 'bf16' and parallel.pick_device(a.device).type == 'mps':
-        die('--dtype bf16 is not supported on mps here; use --dtype fp32')
+    kind = parallel.pick_device(a.device).type
+    if a.dtype == 'bf16' and (kind == 'mps' or kind == 'cuda' and not torch.cuda.is_bf16_supported()):
+        die(f'--dtype bf16 is not supported on this {kind} device; use --dtype fp32')
     local = os.path.expanduser(a.model)
     if a.model.startswith(('.', '/', '~')) and not (os.path.isdir(local) or local.endswith('.gguf') and os.path.isfile(local)):
         die(f'--model {a.model}: no such folder' + (' or file' if local.endswith('.gguf') else ''))
@@ -277,8 +273,7 @@ def evaluate(run):
     with run.timer('eval'):
         eps = play(tasks, greedy=True)
         out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
-        out['family'] = by_family(eps)
-        out['actions'] = envs.action_stats(run.env, eps)
+        out['family'], out['actions'] = envs.by_family(eps), envs.action_stats(run.env, eps)
         out['task_reward'] = [round(e.reward, 4) for e in eps]
         if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
             with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
@@ -300,14 +295,6 @@ def evaluate(run):
 
 
 EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
-
-
-def by_family(eps):
-    """Mean graded reward per task family."""
-    fam = {}
-    for e in eps:
-        fam.setdefault(e.task.family, []).append(e.reward)
-    return {f: float(np.mean(v)) for f, v in fam.items()}
 
 
 # ----------------------------------------------------------------------------- main
@@ -369,10 +356,6 @@ def make_teacher(model, kind):
         return model if kind == 'live' else None
     if M.is_lora(model):
         return M.Adapter(model) if kind == 'frozen' else M.add_ema(model)
-    return frozen_copy(model)
-
-
-def frozen_copy(model):
     return copy.deepcopy(model).eval().requires_grad_(False)                    # θ0
 
 
