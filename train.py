@@ -356,6 +356,10 @@ def make_teacher(model, kind):
         return model if kind == 'live' else None
     if M.is_lora(model):
         return M.Adapter(model) if kind == 'frozen' else M.add_ema(model)
+    return frozen_copy(model)
+
+
+def frozen_copy(model):
     return copy.deepcopy(model).eval().requires_grad_(False)                    # θ0
 
 
