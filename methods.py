@@ -20,6 +20,7 @@ Skill-SD, Wang et al. 2026 (arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 26
 bingreeky/LOPD).
 """
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -208,15 +209,25 @@ def oracle_text(run, task):
 
 def opsd_context(run, eps):
     """OPSD: the frozen base is shown an oracle trajectory of this task from the shared pool
-    (--opsd_context answer: this task's reference solution, plan and answer, the OPSD code's form)."""
-    texts = [solution_text(e.task) if run.args.opsd_context == 'answer' else oracle_text(run, e.task) for e in eps]
-    return texts
+    (--opsd_context answer: this task's reference solution, plan and answer, the OPSD code's form;
+    family: the oracle trajectory of another training task of the same family, OP²SD's donor)."""
+    if run.args.opsd_context == 'answer':
+        return [solution_text(e.task) for e in eps]
+    return [oracle_text(run, family_donor(run, e.task) if run.args.opsd_context == 'family' else e.task) for e in eps]
+
+
+def family_donor(run, task):
+    """Another training task of task's family, the same one every time it is asked (drawn by task id):
+    its oracle trajectory shows the family's plan in another world, as a retrieved experience would."""
+    same = [t for t in run.env.train_tasks if t.family == task.family and t.task_id != task.task_id]
+    return random.Random(task.task_id).choice(same)
 
 
 OPSD_FLAGS = {**POOL_FLAGS,
               'opsd_context': arg('pool', "what OPSD's teacher is shown: pool = an oracle trajectory of the task from the "
                                   "shared pool (the LOPD paper's runs); answer = this task's reference solution, its plan and "
-                                  "answer (the OPSD code's 'reference solution')", choices=['pool', 'answer'])}
+                                  "answer (the OPSD code's 'reference solution'); family = the oracle trajectory of another training task of the "
+                                  "same family (OP²SD's donor)", choices=['pool', 'answer', 'family'])}
 
 
 register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
@@ -224,6 +235,7 @@ register('opsd', Method(distill, context=opsd_context, teacher='frozen', diverge
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
                         bench={'opsd': dict(tune=DISTILL_LR, cost=550, quick=True),
                                'opsd-rkl': dict(flags=['--divergence', 'rkl', '--lr', '3e-4'], cost=550, quick=True),
+                               'opsd-family': dict(flags=['--opsd_context', 'family', '--divergence', 'rkl', '--lr', '3e-4'], cost=550),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
                                                    cost=550, quick=True)}))
 

@@ -22,21 +22,34 @@ LONGEST_FIRST = ["test_smollm2.py", "TestNotebooksFirst", "test_real_models.py",
                  "TestNotebooksRest", "test_variants.py", "test_hf_model.py", "test_methods.py", "test_rollout.py", "test_fork.py"]
 
 
+def shared_folder(tmp_path_factory, name):
+    """A folder every test worker of this session sees (under xdist each worker has a basetemp of
+    its own; their parent is the session's)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
-    """-> the warm-up cache file of TINY_BASE, built as `python train.py ... TINY_BASE` would."""
+    """-> the warm-up cache file of TINY_BASE, built as `python train.py ... TINY_BASE` would, once per
+    test session (a file lock: the first worker to ask builds it, the others load it)."""
+    import filelock
     sys.path.insert(0, ROOT)
     import torch
     import envs
     import train
     import warmup
-    args = train.parse_args(TINY_BASE + ["--out_dir", str(tmp_path_factory.mktemp("tiny-base"))])
+    folder = shared_folder(tmp_path_factory, "tiny-base")
+    args = train.parse_args(TINY_BASE + ["--out_dir", str(folder)])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    env = envs.make_env(args.env)
-    tok, model = warmup.load_model(args, env)  # as train.build does
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        path, _ = warmup.warmup(args, tok, model, env, "cpu")
+    with filelock.FileLock(folder / "base.lock"):
+        env = envs.make_env(args.env)
+        tok, model = warmup.load_model(args, env)  # as train.build does
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            path, _ = warmup.warmup(args, tok, model, env, "cpu")
     torch.set_num_threads(threads)
     return path
 

@@ -294,9 +294,10 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
         dataclasses.asdict(train.parse_args(["--env", "codegen"]))  # the saved config holds the values used
 
 
-def test_the_gpu_check_script_runs_on_cpu(tmp_path):
-    """scripts/gpu_check.sh, the script a GPU machine runs, with tiny budgets on CPU: it trains and
-    prints its numbers (the CUDA path itself needs a GPU)."""
+def test_the_gpu_check_script_runs_on_cpu(tmp_path, base_in):
+    """scripts/gpu_check.sh, the script a GPU machine runs, with tiny budgets on CPU (on the shared
+    tiny base): it trains and prints its numbers (the CUDA path itself needs a GPU)."""
+    base_in(tmp_path)
     env = {**ENV, "DEVICE": "cpu", "QUICK": "1", "SMOL": "0", "OUT": str(tmp_path), "EXTRA": " ".join(TINY_BASE)}
     p = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, text=True, capture_output=True)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -58,6 +58,22 @@ def test_opsd_context_is_an_oracle_trajectory_of_this_task_from_the_pool(env):
     assert methods.opsd_context(run, eps) == [f"reference solution: {e.task.solution}\n" for e in eps]
 
 
+def test_opsd_donor_context_is_another_training_task_of_the_same_family_always_the_same(env):
+    """--opsd_context family (OP²SD's donor, of the same family): the oracle trajectory of another training task of the
+    task's family, the same donor each time the task comes back; a held-out task gets a training donor."""
+    run = fake_run(env, "opsd")
+    run.args.opsd_context = "family"
+    train_ids = {t.task_id for t in env.train_tasks}
+    for task in env.train_tasks[:20] + env.eval_tasks[:5]:
+        d = methods.family_donor(run, task)
+        assert d.family == task.family and d.task_id != task.task_id and d.task_id in train_ids
+        assert methods.family_donor(run, task) is d
+        text, = methods.opsd_context(run, [env.reset(task)])
+        assert text == methods.experiences_text([(d.prompt, d.solution)])
+    donors = {methods.family_donor(run, t).task_id for t in env.train_tasks if t.family == env.train_tasks[0].family}
+    assert len(donors) > 1  # a donor per task, not one per family
+
+
 def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_episodes(env):
     """build_pool: --pool_episodes rollouts of training tasks, their successes kept by task, the
     episodes counted; a held-out task never enters it."""
@@ -389,7 +405,7 @@ def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
         run = fake_run(env, name, state={"pool": {}, "bank": bank} if name != "skillsd" else None)
         if name == "skillsd":
             methods.skillsd_after_step(run, types.SimpleNamespace(eps=eps), None, None)
-        for setting in (["pool", "answer"] if m.context is methods.opsd_context else [None]):
+        for setting in (["pool", "answer", "family"] if m.context is methods.opsd_context else [None]):
             run.args.opsd_context = setting
             if m.context is not None and name not in ("lopd", "acsd"):  # latents and a steering vector: no text
                 shown |= {t.split(":")[0] for t in m.context(run, eps) if t}

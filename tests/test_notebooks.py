@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import pytest
+from conftest import shared_folder
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -64,8 +65,7 @@ def shared_base(runs):
 def runs(tmp_path_factory):
     """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; runs/notebooks/ for a reader), in a
     folder every test worker of this session sees, with the base built in it once."""
-    base = tmp_path_factory.getbasetemp()  # under xdist, one per worker; its parent is the session's
-    return shared_base(str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "notebook-runs"))
+    return shared_base(str(shared_folder(tmp_path_factory, "notebook-runs")))
 
 
 def execute(path, runs):

@@ -290,7 +290,7 @@ def test_gradient_checkpointing_changes_no_gradient(hf):
 # ----------------------------------------------------------------------------- train.py --model, resume, export
 
 # a random model never ends a turn, so every turn runs to the environment's token limit: few, small steps
-SMALL = ["--batch", "4", "--eval_every", "1", "--eval_tasks", "4", "--teacher_eval", "2", "--lora_r", "4"]
+SMALL = ["--batch", "4", "--eval_every", "1", "--eval_tasks", "2", "--teacher_eval", "1", "--lora_r", "4"]
 OWN = {"lopd": ["--init_episodes", "4", "--cold_start_steps", "1", "--warmup_steps", "1", "--warmup_batch", "4"],  # a LoRA warm-up, merged
        "opsd": ["--warmup_steps", "0", "--pool_episodes", "0"]}
 
@@ -356,7 +356,7 @@ def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method, monkeypat
 
 # ----------------------------------------------------------------------------- torchrun
 
-TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "40", "--teacher_eval", "20"]
+TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
 
 
 def torchrun(args, out_dir, n=2):
