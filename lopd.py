@@ -135,8 +135,8 @@ class Composer(nn.Module):
     The frozen model's hidden states h (N, L, d) over "task to solve: x / reference past
     trajectory: m_j" are mean-pooled into K contiguous segments, then an MLP (d -> 2d -> d)
     maps each pooled vector into the model's input-embedding space: each latent summarises its
-    own slice of the experience. The default; the paper's composer is a Q-Former with learned
-    queries (QFormer below, --composer qformer).
+    own slice of the experience (--composer mlp); the paper's composer is a Q-Former with learned
+    queries (QFormer below).
     """
 
     def __init__(self, d, K, scale=0.05):
@@ -156,6 +156,10 @@ class Composer(nn.Module):
     def read(self, h, e, mask):
         """What φ keeps of a reading: h (N, L, d) over mask (N, L); e (the token embeddings) unused."""
         return segment_pool(h, mask, self.K)
+
+    def shown(self, n):
+        """How many of an experience's K latents the teacher is shown, for an experience of n tokens: all."""
+        return self.K
 
     def from_reading(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
@@ -194,6 +198,12 @@ class QFormer(nn.Module):
             idx = mask[i].nonzero().squeeze(-1)[:self.L]
             out[i, :len(idx)] = torch.cat([h[i, idx], e[i, idx], h.new_ones(len(idx), 1)], -1)
         return out
+
+    def shown(self, n):
+        """How many of an experience's K latents the teacher is shown, for an experience of n tokens: with
+        the copy, the first min(K, n), since query k > n would start on no token (a mean of them all, a
+        vector the base never read); the plain Q-Former's queries are not positions: all K."""
+        return min(self.K, n) if self.pos is not None else self.K
 
     def from_reading(self, read):
         """(N, L, 2d + 1) -> z (N, K, d)."""

@@ -96,10 +96,15 @@ def reading(run, tasks, found, reader):
     too, the first segments would describe the framing, not the plan. -> what composer.read keeps of
     it (the MLP: (N, K, d)), N = Σ_i |found_i|."""
     heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
-    bodies = [run.tok.encode(experience_line(m.task, m.text))[:200] for f in found for m in f]
+    bodies = [experience_tokens(run, m) for f in found for m in f]
     ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
                                   [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
     return run.state['composer'].read(M.hidden(reader, ids, attn), M.embed(reader, ids), pool)
+
+
+def experience_tokens(run, m):
+    """A retrieved experience's line as the reader reads it (cut at 200 tokens)."""
+    return run.tok.encode(experience_line(m.task, m.text))[:200]
 
 
 def latent_frame(run, zs):
@@ -118,9 +123,9 @@ def latents(run, eps, grad, found=None, read0=None):
     tasks, K = [e.task for e in eps], run.args.K
     found = retrieve(run, tasks) if found is None else found
     z, z0 = compose(run, tasks, found, grad, read0)
-    prefixes, k = [], 0
-    for f in found:
-        prefixes.append(latent_frame(run, [z[k + j * K:k + (j + 1) * K] for j in range(len(f))]) if f else None)
+    prefixes, k, shown = [], 0, lambda m: run.state['composer'].shown(len(experience_tokens(run, m)))
+    for f in found:  # experience j's K latents, of which the composer shows the first `shown`
+        prefixes.append(latent_frame(run, [z[k + j * K:k + j * K + shown(m)] for j, m in enumerate(f)]) if f else None)
         k += len(f) * K
     return Prefixes(prefixes, z=z, z0=z0, found=found)
 

@@ -109,10 +109,10 @@ def test_bpe_ranks_by_hand():
     assert len(tokenizer.bpe_ranks(["ab"], 50)) == 257  # stops when nothing is left to merge
 
 
-def lopd_run(tok, model, K=3, reader="frozen"):
+def lopd_run(tok, model, K=3, reader="frozen", composer="mlp"):
     run = types.SimpleNamespace(teacher=model, model=model, tok=tok, device=torch.device("cpu"), rng=random.Random(0),
                                 method=methods.METHODS["lopd"],
-                                args=types.SimpleNamespace(K=K, J=3, composer="mlp", lr=0.0, lr_composer=1e-3, reader=reader,
+                                args=types.SimpleNamespace(K=K, J=3, composer=composer, lr=0.0, lr_composer=1e-3, reader=reader,
                                                            bank_capacity=100, allow_same_task=False, embedder="ngram",
                                                            rerank="none"))
     run.state = lopd_method.lopd_state(run)
@@ -183,6 +183,30 @@ def test_retrieval_can_exclude_the_querys_family():
     got = bank.retrieve(["quandle ed"], ["q"], 3, exclude_families=["quandle"])
     assert [e.family for e in got[0]] == ["zorbify"]
     assert [e.family for e in bank.retrieve(["quandle ed"], ["q"], 3)[0]][:2] == ["quandle", "quandle"]
+
+
+def test_the_copy_composer_starts_as_the_text_context_and_shows_no_latent_past_an_experiences_end(env, tok):
+    """--composer qformer-copy, K longer than every experience: each experience is shown one latent per
+    token (a query past its end would start on no token: a mean of them all, a vector the base never
+    read), so LOPD's first teacher context is Traj-text's, up to the copy's softness. The MLP composer
+    shows all K."""
+    torch.manual_seed(0)
+    model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1).eval()
+    bank = [retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:12]]
+    eps = [env.reset(t) for t in env.train_tasks[:3]]
+    run = lopd_run(tok, model, K=120, composer="qformer-copy")
+    run.state["bank"].add(bank)
+    ctx = lopd_method.latents(run, eps, grad=False)
+    assert all(len(f) == 3 for f in ctx.found) and max(len(lopd_method.experience_tokens(run, m)) for m in bank) < 120
+    for latent, f in zip(ctx, ctx.found):
+        text = M.text_prefix(model, tok, [methods.bank_text(f)])[0]
+        assert latent.shape == text.shape
+        torch.testing.assert_close(latent, text, atol=5e-3, rtol=0)
+    run = lopd_run(tok, model, K=120)
+    run.state["bank"].add(bank)
+    ctx = lopd_method.latents(run, eps, grad=False)
+    head = len([tok.bos, tok.ctx] + tok.encode("past:"))
+    assert [p.shape[0] for p in ctx] == [head + 3 * (120 + 1)] * 3
 
 
 @pytest.mark.parametrize("reader", ["frozen", "trained"])
