@@ -291,7 +291,7 @@ def setup_key(args, warm_path, code):
 
 def cached_setup(run, setup, warm_path):
     """A method's one-time setup (LOPD: bank filling + cold start), cached under out_dir like the
-    warm-up: LOPD and its ablations of one seed (--frozen_composer, --margin 0) differ only after
+    warm-up: LOPD and its ablations of one seed (--composer_phase, --margin 0) differ only after
     it, so they share one (setup-<method>-<env>-s<seed>-<hash>.pt). The cache holds everything a setup changes, RNG states included, so a
     run that loads it continues exactly as if it had built it (tests/test_reliability.py)."""
     a = run.args

@@ -3,7 +3,8 @@
 One step: retrieve -> compose -> teacher phase -> student phase -> composer phase -> write back.
 Steps 2-3 (retrieve, compose) make the teacher's context (lopd_context); 4-5 are
 train.teacher_phase and train.student_phase on it, as for every method; 6-7 (the composer phase,
-the write-back) are the after-step hook. Before training, once: the cold start (fill the bank,
+the write-back) are the after-step hook. Step 6 runs with --composer_phase only: in this
+miniature it lowers the teacher, and φ is best left at its cold start (the README's results). Before training, once: the cold start (fill the bank,
 pre-train the composer φ). The math (the composer, the margin, the losses) is in lopd.py.
 Traj-text, the ablation that shows the same retrieved experiences as text, is at the end.
 methods.py imports this file (import methods, not this file, first: LOPD is then registered
@@ -24,7 +25,7 @@ from methods import (DISTILL_FLAGS, DISTILL_LR, TEACHER_FLAGS, Method, Prefixes,
                      register, with_default)
 
 BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
-    'J': arg(3, 'experiences retrieved per task', lo=1),
+    'J': arg(1, 'experiences retrieved per task (the paper: 3; here one same-family success teaches most)', lo=1),
     'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
     'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
@@ -132,7 +133,7 @@ def latents(run, eps, grad, found=None, read0=None):
 
 def lopd_context(run, eps):
     """LOPD's teacher context: latents composed from retrieved experiences (φ's graph kept for the composer phase)."""
-    return latents(run, eps, grad=not run.args.frozen_composer)
+    return latents(run, eps, grad=run.args.composer_phase)
 
 
 def composer_phase(run, b, logits_s, teacher):
@@ -160,7 +161,7 @@ def write_back(run, eps):
 
 def lopd_after_step(run, b, logits_s, teacher):
     logs = {'family_hit': family_hit(run, b.eps, teacher.context.found)}
-    if not run.args.frozen_composer:  # the ablation keeps φ at its cold start
+    if run.args.composer_phase:  # off by default: φ stays at its cold start
         with run.timer('composer'):
             logs.update(composer_phase(run, b, logits_s, teacher))
     write_back(run, b.eps)
@@ -281,7 +282,7 @@ register('lopd', Method(
     distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
     state=lopd_state, setup=cold_start, after_step=lopd_after_step,
     flags={**DISTILL_FLAGS, **BANK_FLAGS,
-           'K': arg(48, 'latent tokens per retrieved experience (48: more than a tool-use experience has tokens; the paper: 32)',
+           'K': arg(64, 'latent tokens per retrieved experience (64: more than a tool-use experience has tokens; the paper: 32)',
                     lo=1),
            'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
                            "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
@@ -305,10 +306,12 @@ register('lopd', Method(
                          choices=['frozen', 'trained']),
            'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
                             choices=['paper', 'centered'], after_setup=True),
-           'frozen_composer': arg(False, 'ablation: keep φ at its cold start (no composer phase)', after_setup=True)},
-    bench={'lopd': dict(tune=DISTILL_LR, cost=670, quick=True),
-           'lopd-frozen': dict(flags=['--frozen_composer'], cost=280, quick=True),
-           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True)}))
+           'composer_phase': arg(False, "step 6, the paper's: train φ after each student step on the KL, the margin and "
+                                 "the anchor (off by default: in the miniature it lowers the teacher and the student)",
+                                 after_setup=True)},
+    bench={'lopd': dict(tune=DISTILL_LR, cost=280, quick=True),
+           'lopd-phase': dict(flags=['--composer_phase'], cost=670, quick=True),
+           'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- Traj-text (LOPD ablation)

@@ -141,7 +141,8 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--topk", "-3"], ["--topk"]),
     # incompatible or malformed (issue 6)
     (["--dtype", "fp16"], ["--dtype", "fp16"]),
-    (["--frozen_composer", "--method", "grpo"], ["--frozen_composer", "lopd"]),
+    (["--composer_phase", "--method", "grpo"], ["--composer_phase", "lopd"]),
+    (["--margin", "0"], ["--margin", "--composer_phase"]),                     # read by nothing without φ's phase
     (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
     (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
     (["--model", "/no/such/model.gguf"], ["--model", "/no/such/model.gguf", "file"]),
