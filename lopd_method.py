@@ -5,10 +5,10 @@ Steps 2-3 (retrieve, compose) make the teacher's context (lopd_context); 4-5 are
 train.teacher_phase and train.student_phase on it, as for every method; 6-7 (the composer phase,
 the write-back) are the after-step hook. Step 6 runs with --composer_phase only: in this
 miniature it lowers the teacher, and φ is best left at its cold start (the README's results).
-Before training, once: the cold start (fill the bank, pre-train the composer φ). The math
-(the composer, the margin, the losses) is in lopd.py. Traj-text, the ablation that shows the same retrieved experiences as text, is at the end.
-methods.py imports this file (import methods, not this file, first: LOPD is then registered
-first, and listed first in -h).
+Before training, once: the cold start (fill the bank, pre-train the composer φ). The math (the
+composer, the margin, the losses) is in lopd.py. Traj-text, the ablation that shows the same
+retrieved experiences as text, is at the end. methods.py imports this file (import methods, not
+this file, first: LOPD is then registered first, and listed first in -h).
 """
 import copy
 import random
