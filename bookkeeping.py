@@ -57,11 +57,12 @@ def code_of(method):
 
 # ----------------------------------------------------------------------------- config fields and errors
 
-def arg(default, help, choices=None, lo=None, hi=None, open_lo=False, after_setup=False, group=None):
+def arg(default, help, choices=None, lo=None, hi=None, open_lo=False, after_setup=False, group=None, needs=None):
     """A config field: its default, help, and what argparse and check_ranges enforce.
-    after_setup: the flag acts only after a method's setup, so runs that differ in it share one."""
+    after_setup: the flag acts only after a method's setup, so runs that differ in it share one.
+    needs: the switch without which nothing reads it (given alone, it is refused)."""
     return field(default=default, metadata=dict(help=help, choices=choices, lo=lo, hi=hi, open_lo=open_lo,
-                                                after_setup=after_setup, group=group))
+                                                after_setup=after_setup, group=group, needs=needs))
 
 
 def check_ranges(args):

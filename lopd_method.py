@@ -278,6 +278,8 @@ def frozen_reading(run, rows):
     return list(zip(found, read0))
 
 
+PHASE = 'composer_phase'  # the flags of step 6 act only with it
+
 register('lopd', Method(
     distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
     state=lopd_state, setup=cold_start, after_step=lopd_after_step,
@@ -287,13 +289,14 @@ register('lopd', Method(
            'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
                            "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
                            "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
-           'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True),
-           'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True),
+           'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, needs=PHASE),
+           'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, needs=PHASE),
            'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
-                         after_setup=True),
-           'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True),
+                         after_setup=True, needs=PHASE),
+           'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, needs=PHASE),
            'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
-                              "KL term pulls the teacher onto the student)", lo=0, after_setup=True),
+                              "KL term pulls the teacher onto the student)", lo=0, after_setup=True,
+                              needs=PHASE),
            'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
            'cold_start_steps': arg(0, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer '
                                    'reads as the text does without one)', lo=0),
@@ -305,7 +308,7 @@ register('lopd', Method(
            'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                          choices=['frozen', 'trained']),
            'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
-                            choices=['paper', 'centered'], after_setup=True),
+                            choices=['paper', 'centered'], after_setup=True, needs=PHASE),
            'composer_phase': arg(False, "step 6, the paper's: train φ after each student step on the KL, the margin and "
                                  "the anchor (off by default: in the miniature it lowers the teacher and the student)",
                                  after_setup=True)},

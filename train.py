@@ -153,9 +153,9 @@ def check_args(a, given):
     for k in sorted(given - set(m.flags)):
         if methods.readers(k):
             die(f'--{k} applies to {", ".join(methods.readers(k))} only, not {a.method}')
-    phase_only = sorted(given & {'margin', 'lam', 'anchor', 'eta_beta', 'lr_composer', 'advantage'})
-    if a.method == 'lopd' and phase_only and not a.composer_phase:  # they would be read by nothing
-        die(f'--{phase_only[0]} acts in the composer phase only: add --composer_phase')
+    for f in dataclasses.fields(a):  # e.g. --margin without --composer_phase would be read by nothing
+        if f.name in given and f.metadata.get('needs') and not getattr(a, f.metadata['needs']):
+            die(f'--{f.name} acts only with --{f.metadata["needs"]}')
     if a.batch % m.group:
         die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
     ranks = int(os.environ.get('WORLD_SIZE', 1))
