@@ -85,6 +85,7 @@ class Step:
 NAMES = ['ada', 'bo', 'cy', 'di', 'ed', 'flo', 'gus', 'hal', 'ivy', 'jo', 'kai', 'lu',
          'max', 'ned', 'oz', 'pia', 'quin', 'ray', 'sue', 'ted', 'uma', 'vic', 'wes', 'zoe']
 TEAMS = ['red', 'blue', 'green', 'gold', 'gray', 'pink']
+_OTHERS = {p: [q for q in NAMES if q != p] for p in NAMES}  # whom p's manager or mentor may be
 
 CALL = re.compile(r'^([a-z]+)\(([a-z]+)\)$')  # a tool call: tool(arg)
 MAX_ACTION_CHARS = 64
@@ -173,8 +174,7 @@ def office_world(rng):
     teams = rng.sample(TEAMS, 4)
     world = {'people': list(NAMES), 'teams': teams, 'lead': {t: rng.choice(NAMES) for t in teams}}
     for p in NAMES:
-        world[p] = {'manager': rng.choice([q for q in NAMES if q != p]), 'mentor': rng.choice([q for q in NAMES if q != p]),
-                    'team': rng.choice(teams)}
+        world[p] = {'manager': rng.choice(_OTHERS[p]), 'mentor': rng.choice(_OTHERS[p]), 'team': rng.choice(teams)}
     return world
 
 
@@ -200,10 +200,25 @@ def unique_targets(world, x, words):
     targets = [run_chain(world, WORDS[w], x) for w in words]
     if x in targets or len(set(targets)) < len(targets):
         return None
-    for w, t in zip(words, targets):
-        if any(c != WORDS[w] and run_chain(world, c, x) == t for c in CHAINS):
-            return None
+    ends = chain_ends(world, x)
+    if any(ends.count(t) > 1 for t in targets):  # its word's chain is one of the 19: a second one reaches it too
+        return None
     return targets
+
+
+def chain_ends(world, x):
+    """The person each of CHAINS reaches from x, in CHAINS' order (what run_chain gives, one lookup per
+    step of the chains' shared prefixes: the tasks' generation calls this for every candidate person)."""
+    ends = []
+    for first in ('manager', 'mentor'):
+        p = world[x][first]
+        ends.append(p)
+        for second in ('manager', 'mentor'):
+            q = world[p][second]
+            ends += [q, world[q]['manager'], world[q]['mentor']]
+        ends.append(world['lead'][world[p]['team']])
+    lead = world['lead'][world[x]['team']]
+    return ends + [lead, world[lead]['manager'], world[lead]['mentor']]
 
 
 @functools.lru_cache(maxsize=16)  # tasks are never mutated, so a process shares them

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
-from sklearn.feature_extraction.text import HashingVectorizer
 
 import sandbox
 
@@ -50,6 +49,7 @@ def hashing_embedder(n_features: int = 4096) -> Callable[[list[str]], np.ndarray
     Char 2- to 4-grams within words make "manager of bob" and "manager of alice" share most
     features; hashing (no vocabulary) keeps it deterministic and fit-free.
     """
+    from sklearn.feature_extraction.text import HashingVectorizer  # here: a second of import for runs that retrieve nothing
     vec = HashingVectorizer(n_features=n_features, analyzer="char_wb", ngram_range=(2, 4),
                             alternate_sign=False, norm="l2", dtype=np.float32)
 
