@@ -101,6 +101,15 @@ def test_targets_are_reached_by_their_word_chain_only(env):
             assert hits == [envs.WORDS[word]], (task.prompt, word, hits)
 
 
+def test_chain_ends_are_each_chain_run_call_by_call():
+    """The tasks' generation reads the 19 chains' ends at once (envs.chain_ends): the same as running each."""
+    rng = random.Random(7)
+    for _ in range(200):
+        world = envs.office_world(rng)
+        for x in envs.NAMES:
+            assert envs.chain_ends(world, x) == [envs.run_chain(world, c, x) for c in envs.CHAINS]
+
+
 def test_families_many_opaque_sharing_words(env):
     assert len(env.families) == 46 and len(env.opaque) == 40
     assert len(envs.CHAINS) == 19 and len(envs.WORD_CHAINS) == 11 == len(envs.WORDS)
