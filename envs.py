@@ -206,19 +206,28 @@ def unique_targets(world, x, words):
     return targets
 
 
+def chain_walk(chains):
+    """The chains as one walk, each shared prefix once: -> (steps, ends), step k = (the index of the
+    value it starts from, tool) makes value k + 1 (value 0 is x), and chain i ends at value ends[i]."""
+    at, steps = {(): 0}, []
+    for c in chains:
+        for k in range(1, len(c) + 1):
+            if tuple(c[:k]) not in at:
+                steps.append((at[tuple(c[:k - 1])], c[k - 1]))
+                at[tuple(c[:k])] = len(steps)
+    return steps, [at[tuple(c)] for c in chains]
+
+
+CHAIN_STEPS, CHAIN_ENDS = chain_walk(CHAINS)
+
+
 def chain_ends(world, x):
-    """The person each of CHAINS reaches from x, in CHAINS' order (what run_chain gives, one lookup per
-    step of the chains' shared prefixes: the tasks' generation calls this for every candidate person)."""
-    ends = []
-    for first in ('manager', 'mentor'):
-        p = world[x][first]
-        ends.append(p)
-        for second in ('manager', 'mentor'):
-            q = world[p][second]
-            ends += [q, world[q]['manager'], world[q]['mentor']]
-        ends.append(world['lead'][world[p]['team']])
-    lead = world['lead'][world[x]['team']]
-    return ends + [lead, world[lead]['manager'], world[lead]['mentor']]
+    """run_chain(world, c, x) for each c of CHAINS, each lookup made once (the tasks' generation asks
+    this of every candidate person; CHAINS type-check, so no lookup fails)."""
+    values = [x]
+    for i, tool in CHAIN_STEPS:
+        values.append(world['lead'][values[i]] if tool == 'lead' else world[values[i]][tool])
+    return [values[i] for i in CHAIN_ENDS]
 
 
 @functools.lru_cache(maxsize=16)  # tasks are never mutated, so a process shares them
