@@ -94,7 +94,8 @@ class Args:
     bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
                           '(0 = plain bytes)', lo=0, group=MODEL)
     warmup_steps: int = arg(800, 'supervised warm-up steps on noisy-expert demos (tool use: reading a context forms after ~500; codegen: 500)', lo=0, group=MODEL)
-    warmup_batch: int = arg(64, 'demos per warm-up step', lo=1, group=MODEL)
+    warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
+                             'measured)', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
                             '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
