@@ -282,11 +282,13 @@ def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
 
 def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch):
     import envs
-    assert envs.CodeGen.defaults == {"cold_start_steps": 300, "warmup_steps": 500} and envs.ToolUse.defaults == {}
-    assert envs.ToolUseV1.defaults == {"warmup_steps": 500}
+    assert envs.CodeGen.defaults == {"cold_start_steps": 300, "warmup_steps": 500, "warmup_batch": 64}
+    assert envs.ToolUseV1.defaults == {"warmup_steps": 500, "warmup_batch": 64} and envs.ToolUse.defaults == {}
     plain = train.parse_args([])
     a = train.parse_args(["--env", "codegen"])
     assert a.cold_start_steps == 300 and plain.cold_start_steps == 0
+    assert (a.warmup_batch, plain.warmup_batch) == (64, 32)  # codegen's numbers were measured on 64 demos a step
+    assert train.parse_args(["--env", "tooluse-v1", "--warmup_batch", "8"]).warmup_batch == 8
     assert train.parse_args(["--env", "codegen", "--cold_start_steps", "7"]).cold_start_steps == 7
     monkeypatch.setattr(envs.CodeGen, "defaults", {"episodes": 99, "cold_start_steps": 5})
     a = train.parse_args(["--env", "codegen", "--episodes=12"])
