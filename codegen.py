@@ -84,7 +84,7 @@ class CodeGen:
     rerank = 'execution'    # then the stored programs that reproduce this task's examples first
     # LOPD's teacher after 100 / 200 / 300 cold-start steps: +12.5 / +16 / +18.5 points above the
     # student (the same experiences as text: +19.5)
-    defaults = {'cold_start_steps': 300, 'warmup_steps': 500, 'warmup_batch': 64}
+    defaults = {'cold_start': 'text', 'cold_start_steps': 300, 'warmup_steps': 500, 'warmup_batch': 64}
     instructions = (
         "Each task shows input->output examples of one rule on a list of digits or a string, e.g. "
         "[4,6,2]->[8,10,6]. Write a Python lambda f such that f(input) == output for every example and "

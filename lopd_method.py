@@ -298,11 +298,11 @@ register('lopd', Method(
                               "KL term pulls the teacher onto the student)", lo=0, after_setup=True,
                               needs=PHASE),
            'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
-           'cold_start_steps': arg(0, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer '
-                                   'reads as the text does without one)', lo=0),
-           'cold_start': arg('text', "cold start objective: text = the teacher reading the latents matches it reading "
-                             "the same experiences as text (the default: its other-family control stays flat); nll = the "
-                             "paper's, the teacher's NLL of successes given their latents", choices=list(COLD_STARTS)),
+           'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '
+                                   'whose latents start as the experience\'s embeddings)', lo=0),
+           'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of the bank's successes "
+                             "given their latents; text = the teacher reading the latents matches it reading the same "
+                             "experiences as text", choices=list(COLD_STARTS)),
            'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
                                     choices=['balanced', 'stored']),
            'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',

@@ -282,11 +282,13 @@ def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
 
 def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch):
     import envs
-    assert envs.CodeGen.defaults == {"cold_start_steps": 300, "warmup_steps": 500, "warmup_batch": 64}
-    assert envs.ToolUseV1.defaults == {"warmup_steps": 500, "warmup_batch": 64} and envs.ToolUse.defaults == {}
+    assert envs.CodeGen.defaults == {"cold_start": "text", "cold_start_steps": 300, "warmup_steps": 500, "warmup_batch": 64}
+    assert envs.ToolUseV1.defaults == {"cold_start": "text", "cold_start_steps": 0, "warmup_steps": 500, "warmup_batch": 64}
+    assert envs.ToolUse.defaults == {}
     plain = train.parse_args([])
     a = train.parse_args(["--env", "codegen"])
-    assert a.cold_start_steps == 300 and plain.cold_start_steps == 0
+    assert (a.cold_start, a.cold_start_steps) == ("text", 300) and (plain.cold_start, plain.cold_start_steps) == ("nll", 150)
+    assert train.parse_args(["--env", "tooluse-v1"]).cold_start_steps == 0  # their numbers: measured before the NLL default
     assert (a.warmup_batch, plain.warmup_batch) == (64, 32)  # codegen's numbers were measured on 64 demos a step
     assert train.parse_args(["--env", "tooluse-v1", "--warmup_batch", "8"]).warmup_batch == 8
     assert train.parse_args(["--env", "codegen", "--cold_start_steps", "7"]).cold_start_steps == 7
