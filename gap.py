@@ -219,9 +219,9 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
 # LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
 GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  # this task's plan and answer
              'opsd-family': ['--method', 'opsd', '--opsd_context', 'family'],    # another task of the family: OP²SD's donor
-             'lopd-mlp': ['--method', 'lopd', '--composer', 'mlp', '--K', '4', '--cold_start_steps', '100',
-                          '--bank_source', 'rollouts'],                       # the earlier default: an MLP on the base's rollouts
-             'lopd-nll': ['--method', 'lopd', '--cold_start', 'nll', '--cold_start_steps', '300'],  # the paper's cold start
+             'lopd-mlp': ['--method', 'lopd', '--composer', 'mlp', '--K', '4', '--cold_start', 'text', '--cold_start_steps', '100',
+                          '--bank_source', 'rollouts'],                       # an earlier default: an MLP on the base's rollouts
+             'lopd-copy': ['--method', 'lopd', '--cold_start_steps', '0'],    # no cold start: the copy-started composer (the earlier default)
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
@@ -229,7 +229,7 @@ GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teach
               'Controls, for every teacher: -donor, the context built for another task of another family (OP²SD\'s shuffled donor); -empty, the context slot '
               'with nothing in it (<|bos|><|ctx|>, then the task); lopd-control: LOPD\'s latents composed from other-family experiences only; trajtext-control: the same shown as text. '
               'lopd-mlp: the earlier default (an MLP composer, K = 4, 100 text-to-latent cold-start steps, a bank of the base\'s rollouts); '
-              'lopd-nll: 300 steps of the paper\'s cold start (NLL of the successes given their latents) from the copy-started composer; '
+              'lopd-copy: the copy-started composer without a cold start (its latents start as the experience\'s embeddings); '
               'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; opsd-family: OPSD shown the '
               'oracle trajectory of another training task of the same family (OP²SD\'s donor); -expert: the bank filled with the '
               'scripted expert\'s demos (an upper bound, not the method).')

@@ -191,7 +191,7 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
 
 @pytest.mark.parametrize("argv,words", [
     (["--methods", "lopd,nope"], ["--methods", "nope"]),
-    (["--teacher_gap", "--methods", "nope"], ["--methods", "nope", "lopd-nll", "trajtext-expert"]),  # its extra rows listed
+    (["--teacher_gap", "--methods", "nope"], ["--methods", "nope", "lopd-copy", "trajtext-expert"]),  # its extra rows listed
     (["--seeds", "0,1"], ["--seeds", "seed 0"]),
     (["--seed", "3"], ["--seed"]),
     (["--set", "lr"], ["--set", "lr"]),
