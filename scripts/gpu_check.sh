@@ -13,7 +13,7 @@ DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-runs/gpu-check}
 DTYPE=$([ "$DEVICE" = cuda ] && echo bf16 || echo fp32)
 if [ "${QUICK:-0}" = 1 ]; then   # a smoke test: a few steps of everything
-    TINY="--episodes 32 --setup_free --init_episodes 16 --warmup_steps 4 --eval_tasks 8 --eval_every 1 --teacher_eval 4"
+    TINY="--episodes 32 --setup_free --init_episodes 16 --cold_start_steps 4 --warmup_steps 4 --eval_tasks 8 --eval_every 1 --teacher_eval 4"
     SMOLF="--env codegen --episodes 4 --batch 4 --setup_free --init_episodes 4 --warmup_steps 2 --warmup_batch 2 --eval_tasks 2 --teacher_eval 2 --eval_samples 0"
 else
     TINY=""   # the default run: python train.py
