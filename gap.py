@@ -216,7 +216,7 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     return md
 
 
-# LOPD's choices that the teacher-gap report shows side by side (the paper's own cold start, self-retrieval)
+# LOPD's choices that the teacher-gap report shows side by side (no cold start, an earlier composer, self-retrieval)
 GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  # this task's plan and answer
              'opsd-family': ['--method', 'opsd', '--opsd_context', 'family'],    # another task of the family: OP²SD's donor
              'lopd-mlp': ['--method', 'lopd', '--composer', 'mlp', '--K', '4', '--cold_start', 'text', '--cold_start_steps', '100',
@@ -228,7 +228,7 @@ GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  #
 GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). '
               'Controls, for every teacher: -donor, the context built for another task of another family (OP²SD\'s shuffled donor); -empty, the context slot '
               'with nothing in it (<|bos|><|ctx|>, then the task); lopd-control: LOPD\'s latents composed from other-family experiences only; trajtext-control: the same shown as text. '
-              'lopd-mlp: the earlier default (an MLP composer, K = 4, 100 text-to-latent cold-start steps, a bank of the base\'s rollouts); '
+              'lopd-mlp: an earlier default (an MLP composer, K = 4, 100 text-to-latent cold-start steps, a bank of the base\'s rollouts); '
               'lopd-copy: the copy-started composer without a cold start (its latents start as the experience\'s embeddings); '
               'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; opsd-family: OPSD shown the '
               'oracle trajectory of another training task of the same family (OP²SD\'s donor); -expert: the bank filled with the '

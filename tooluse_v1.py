@@ -124,7 +124,8 @@ class ToolUseV1:
     opaque = OPAQUE
     embedder = 'ngram'      # the retriever's (retrieval.EMBEDDERS): the prompt's words tell a family
     rerank = 'none'         # and its reranker (retrieval.RERANKERS)
-    defaults = {'cold_start': 'text', 'cold_start_steps': 0, 'warmup_steps': 500, 'warmup_batch': 64}  # train.py flags whose default differs here: as when its numbers were measured
+    # train.py flags whose default differs here: as when its numbers were measured
+    defaults = {'cold_start': 'text', 'cold_start_steps': 0, 'warmup_steps': 500, 'warmup_batch': 64}
     instructions = (
         "You are an agent in an office directory. Tools, one call per reply: manager(p), city(p) and "
         "team(p) return that person's manager, city or team; lead(t) returns the lead of team t. A task "

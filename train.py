@@ -9,8 +9,8 @@ One LOPD training step (Zhang et al. 2026, arXiv 2608.13040; one rollout per tas
   6. composer_phase  one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖²; β ← max(0, β + η_β(m − Δ))
   7. write_back      new successful rollouts go into the bank
 Before step 1, once: the warm-up (warmup.py, cached under runs/, shared by every method) and
-the method's setup (LOPD's: fill the bank, counted toward the episode budget; optionally
-pre-train φ, `--cold_start nll` on the paper's objective).
+the method's setup (LOPD's: fill the bank, counted toward the episode budget;
+then pre-train φ, 150 steps of the paper's NLL cold start).
 
 Every method goes through the same train_step: rollout -> teacher_phase (the method's context
 builder, steps 2-3 for LOPD) -> student_phase (its loss) -> its after-step hook (steps 6-7 for
