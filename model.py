@@ -39,13 +39,13 @@ def tiny_llama(vocab_size, d_model=128, n_layer=4, n_head=4, max_len=512):
     return LlamaForCausalLM(cfg)
 
 
-def load(model_name=None, d_model=128, n_layer=4, texts=None, n_merges=0, dtype=torch.float32, system=None):
-    """-> (tokenizer, model). model_name None = the offline tokenizer (BPE learned on texts, or
-    bytes) + tiny Llama. A transformers model (a hub name, a folder, or a .gguf file, whose
+def load(model_name=None, d_model=128, n_layer=4, ranks=None, dtype=torch.float32, system=None):
+    """-> (tokenizer, model). model_name None = the offline tokenizer (bytes + the BPE merges `ranks`
+    of tokenizer.bpe_ranks, or bytes alone) + tiny Llama. A transformers model (a hub name, a folder, or a .gguf file, whose
     quantized weights transformers dequantizes) is loaded in `dtype` (bf16 halves its memory);
     system: the instructions its chat template's system turn carries."""
     if model_name is None:
-        tok = byte_tokenizer(texts, n_merges)
+        tok = byte_tokenizer(ranks)
         return tok, tiny_llama(tok.vocab_size, d_model, n_layer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     where, kw = model_name, {}

@@ -164,10 +164,10 @@ def bpe_ranks(texts, n_merges):
     return ranks
 
 
-def byte_tokenizer(texts=None, n_merges=0):
-    """A tiktoken Encoding built offline: every byte is a token, plus n_merges BPE merges learned
-    from texts (none: plain bytes), plus the turn-structure specials."""
-    ranks = bpe_ranks(texts, n_merges) if texts and n_merges else {bytes([i]): i for i in range(256)}
+def byte_tokenizer(ranks=None):
+    """A tiktoken Encoding built offline: every byte is a token, plus the BPE merges of ranks
+    (bpe_ranks; None: plain bytes), plus the turn-structure specials."""
+    ranks = ranks or {bytes([i]): i for i in range(256)}
     enc = tiktoken.Encoding(
         name=f'bpe{len(ranks) - 256}+turns',
         pat_str=PAT,

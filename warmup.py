@@ -166,6 +166,31 @@ def load_model(args, env, dtype=torch.float32):
     them: the BPE tokenizer learned from this environment's text (or bytes, or --model's own), and
     the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
     torch.manual_seed(1234)
-    texts = tokenizer_texts(env) if args.bpe_merges and not args.model else None
-    return M.load(args.model or None, args.d_model, args.n_layer, texts, args.bpe_merges, dtype,
+    ranks = merges(args, env) if args.bpe_merges and not args.model else None
+    return M.load(args.model or None, args.d_model, args.n_layer, ranks, dtype,
                   system=env.instructions if args.model else None)
+
+
+def merges(args, env):
+    """The tiny tokenizer's BPE merges (tokenizer.bpe_ranks of tokenizer_texts), cached under out_dir
+    beside the warm-up: the text is drawn from 20,000 warm-up tasks, seconds of Python that every
+    process would pay again. Keyed by the code's fingerprint (bk.CODE), so that a change to any
+    code that writes the text learns them anew; a bad file is learned anew too."""
+    key = json.dumps(['bpe', env.name, args.bpe_merges, bk.CODE])
+    path = os.path.join(args.out_dir, f'bpe-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json')
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved['key'] == key:
+            return {bytes.fromhex(b): rank for b, rank in saved['ranks']}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ranks = tokenizer.bpe_ranks(tokenizer_texts(env), args.bpe_merges)
+    try:  # atomically (torchrun's ranks may write it at once); a read-only out_dir only costs the seconds
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(f'{path}.{os.getpid()}.tmp', 'w') as f:
+            json.dump({'key': key, 'ranks': [[b.hex(), rank] for b, rank in ranks.items()]}, f)
+        os.replace(f'{path}.{os.getpid()}.tmp', path)
+    except OSError:
+        pass
+    return ranks

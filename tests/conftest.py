@@ -7,6 +7,7 @@
 - The longest test modules are scheduled first, so that with one worker per core
   (pytest.ini) the short ones fill in around them."""
 import contextlib
+import glob
 import io
 import os
 import shutil
@@ -56,10 +57,12 @@ def tiny_base(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def base_in(tiny_base):
-    """base_in(folder): put the tiny base's cache in a run folder's out_dir; -> the folder."""
+    """base_in(folder): put the tiny base's caches (its warm-up and its tokenizer's merges) in a run
+    folder's out_dir; -> the folder."""
     def put(folder):
         os.makedirs(folder, exist_ok=True)
-        shutil.copy(tiny_base, folder)
+        for f in [tiny_base, *glob.glob(os.path.join(os.path.dirname(tiny_base), "bpe-*.json"))]:
+            shutil.copy(f, folder)
         return folder
     return put
 

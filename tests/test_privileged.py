@@ -32,7 +32,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def tok(env):
-    return tokenizer.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
+    return tokenizer.byte_tokenizer(tokenizer.bpe_ranks(warmup.tokenizer_texts(env, n=300), 256))
 
 
 def tools(traj):
@@ -94,7 +94,7 @@ def test_bpe_encodes_as_tiktokens_slow_reference_and_round_trips(env, tok):
         assert tok.decode(got) == text
         assert all(t < tok.n_ordinary for t in got)  # special-token strings stay literal text
     # deterministic, and a real saving over bytes
-    again = tokenizer.byte_tokenizer(warmup.tokenizer_texts(env, n=300), 256)
+    again = tokenizer.byte_tokenizer(tokenizer.bpe_ranks(warmup.tokenizer_texts(env, n=300), 256))
     assert again.enc._mergeable_ranks == tok.enc._mergeable_ranks
     text = methods.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
     assert len(tok.encode(text)) * 2 < len(text.encode())
@@ -237,3 +237,21 @@ def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, 
             torch.testing.assert_close(a, b)
     empty = lopd_method.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
     assert all(f == [] and r.shape == (0, 3, 16) for f, r in empty)
+
+
+def test_the_merges_cache_holds_what_the_text_teaches(tmp_path, monkeypatch):
+    """warmup.merges: learned once per out_dir, read back equal; a corrupt file, or one of other
+    code (another bk.CODE), is learned anew, never trusted."""
+    env = envs.make_env("codegen")
+    args = train.Args(out_dir=str(tmp_path))
+    learned = tokenizer.bpe_ranks(warmup.tokenizer_texts(env), args.bpe_merges)
+    assert warmup.merges(args, env) == learned
+    (path,) = tmp_path.glob("bpe-codegen-*.json")
+    calls = []
+    monkeypatch.setattr(warmup, "tokenizer_texts", lambda env: calls.append(1) or [])  # no text: bytes only
+    assert warmup.merges(args, env) == learned and not calls                  # read back, not learned
+    path.write_text(path.read_text()[:-20])                                   # cut short
+    assert len(warmup.merges(args, env)) == 256 and calls == [1]              # learned anew (from no text)
+    monkeypatch.setattr(warmup.bk, "CODE", "other code")
+    assert len(warmup.merges(args, env)) == 256 and calls == [1, 1]
+    assert len(list(tmp_path.glob("bpe-codegen-*.json"))) == 2 and not list(tmp_path.glob("*.tmp"))
