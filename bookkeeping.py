@@ -258,17 +258,12 @@ def claim_run_dir(run_dir, overwrite):
 
 # ----------------------------------------------------------------------------- caches
 
-CACHE_THREADS = 2  # every cache is built with this many CPU threads, wherever it is built
-
-
 def cached(path, what, build, apply, device):
     """The one caching helper: apply(torch.load(path)) if the file is good, else build() ->
     the dict to save, saved atomically. -> True if it came from the cache. A corrupt or
     unreadable file, or one whose contents do not fit (apply raises before changing
     anything), is reported in one line and rebuilt. train.py prints '<what>: [cached ]<path>',
-    which bench.py waits for. Built with CACHE_THREADS threads: sums split over threads round
-    differently, and the key cannot tell a setup that bench.py built on one thread from one that
-    train.py built on two (they differed: LOPD's quick-compare rows moved by 1-2 points)."""
+    which bench.py waits for."""
     if os.path.exists(path):
         try:
             apply(torch.load(path, map_location=device, weights_only=False))
@@ -277,12 +272,7 @@ def cached(path, what, build, apply, device):
         except Exception as e:
             print(f'train.py: {what} cache {path} is unreadable ({type(e).__name__}: '
                   f'{" ".join(str(e).split())[:120]}); rebuilding it', file=sys.stderr)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(CACHE_THREADS)
-    try:
-        state = build()
-    finally:
-        torch.set_num_threads(threads)
+    state = build()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_save(state, path)
     print(f'{what}: {path}')
@@ -295,9 +285,12 @@ def load_module(module, saved):
 
 
 def setup_key(args, warm_path, code):
-    """What a method's setup depends on: every flag but those marked after_setup, the base, the code."""
+    """What a method's setup depends on: every flag but those marked after_setup, the base, the code,
+    and the CPU threads it is built on (sums split over threads round differently: a cold start that
+    bench.py built on one thread and one that train.py built on two differ, and sharing one cache moved
+    LOPD's quick-compare rows by up to 2.6 points, depending on which process had built it)."""
     kept = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.metadata.get('after_setup')}
-    return json.dumps([kept, os.path.basename(warm_path), code], sort_keys=True)
+    return json.dumps([kept, os.path.basename(warm_path), code, torch.get_num_threads()], sort_keys=True)
 
 
 def cached_setup(run, setup, warm_path):

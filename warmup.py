@@ -23,6 +23,9 @@ import lopd_method
 import model as M
 import tokenizer
 
+WARMUP_THREADS = 2
+
+
 # the forms of privileged context the warm-up teaches the base to read, with their share of the context demos
 CONTEXT_FORMS = {'solution': 0.2, 'this_task': 0.15, 'past': 0.3, 'unhelpful': 0.1, 'skill': 0.1, 'feedback': 0.15}
 
@@ -129,9 +132,11 @@ def warmup(args, tok, model, env, device):
 
     def build():
         # the base is the same for every run seed (one base, many methods) and wherever it is built
-        # with this torch (bk.cached fixes the thread count: 1 and 2 threads gave two different bases)
-        rng = random.Random(1234)
+        # with this torch: a fixed thread count, since sums split over threads round differently
+        # (1 and 2 threads gave two different bases); 2, so that a 2-core machine builds it at full speed
+        rng, threads = random.Random(1234), torch.get_num_threads()
         torch.manual_seed(1234)
+        torch.set_num_threads(WARMUP_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
         for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
@@ -145,6 +150,7 @@ def warmup(args, tok, model, env, device):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             bar.set_postfix(loss=f'{loss.item():.3f}')
+        torch.set_num_threads(threads)
         return {'model': M.trainable_state(model), 'key': key}  # with LoRA, only the adapter
 
     def apply(saved):

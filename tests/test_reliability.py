@@ -136,24 +136,19 @@ def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, t
     assert "setup: cached" not in capsys.readouterr().out
 
 
-def test_caches_are_built_on_a_fixed_thread_count(tmp_path):
-    """bk.cached builds on CACHE_THREADS threads whatever the caller runs on (bench.py's runs run on one,
-    train.py on two; sums split over threads round differently and the key cannot tell), and gives the
-    caller its own count back, after a failed build too."""
-    seen, before = [], torch.get_num_threads()
-
-    def build():
-        seen.append(torch.get_num_threads())
-        return {"x": torch.ones(1)}
-
-    def fail():
-        seen.append(torch.get_num_threads())
-        raise RuntimeError("boom")
-
-    assert not bk.cached(str(tmp_path / "a.pt"), "test", build, lambda saved: None, "cpu")
-    with pytest.raises(RuntimeError):
-        bk.cached(str(tmp_path / "b.pt"), "test", fail, lambda saved: None, "cpu")
-    assert seen == [bk.CACHE_THREADS] * 2 != [before] * 2 and torch.get_num_threads() == before
+def test_a_setup_is_shared_only_by_runs_on_as_many_threads(tmp_path):
+    """The setup's cache key holds the CPU thread count: bench.py's runs (one thread each) never load
+    a cold start that train.py built on two, whose floats differ, nor the other way round."""
+    args = train.Args(out_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        keys = []
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            keys.append(bk.setup_key(args, "warmup-x.pt", "code"))
+    finally:
+        torch.set_num_threads(threads)
+    assert keys[0] == keys[2] != keys[1]
 
 
 def test_load_run_gives_back_the_run_at_its_checkpoint_and_writes_nothing(runs):
