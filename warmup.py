@@ -186,11 +186,9 @@ def merges(args, env):
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ranks = tokenizer.bpe_ranks(tokenizer_texts(env), args.bpe_merges)
-    try:  # atomically (torchrun's ranks may write it at once); a read-only out_dir only costs the seconds
+    try:  # a read-only out_dir only costs the seconds
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(f'{path}.{os.getpid()}.tmp', 'w') as f:
-            json.dump({'key': key, 'ranks': [[b.hex(), rank] for b, rank in ranks.items()]}, f)
-        os.replace(f'{path}.{os.getpid()}.tmp', path)
+        bk.atomic_json({'key': key, 'ranks': [[b.hex(), rank] for b, rank in ranks.items()]}, path)
     except OSError:
         pass
     return ranks
