@@ -28,6 +28,9 @@ BANK_FLAGS = {  # an experience bank, filled with base rollouts before training,
     'J': arg(1, 'experiences retrieved per task (the paper: 3; here one same-family success teaches most)', lo=1),
     'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
     'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
+    'retrieval': arg('similar', "what the teacher is shown during training: similar = the top-J experiences of similar "
+                     "tasks (the method); other = of other families only (a control: OP²SD's shuffled donor)",
+                     choices=['similar', 'other'], after_setup=True),
     'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
     'embedder': arg('', "the retriever's embedder ('' = the environment's: char n-grams for tool use, the tests of "
                     "each example's input->output relation for code generation)", choices=['', *retrieval.EMBEDDERS]),
@@ -133,7 +136,12 @@ def latents(run, eps, grad, found=None, read0=None):
 
 def lopd_context(run, eps):
     """LOPD's teacher context: latents composed from retrieved experiences (φ's graph kept for the composer phase)."""
-    return latents(run, eps, grad=run.args.composer_phase)
+    return latents(run, eps, grad=run.args.composer_phase, found=training_retrieval(run, eps))
+
+
+def training_retrieval(run, eps):
+    """Step 2 as training does it: --retrieval other (the control) keeps other families' experiences only."""
+    return retrieve(run, [e.task for e in eps], other_family=run.args.retrieval == 'other')
 
 
 def composer_phase(run, b, logits_s, teacher):
@@ -314,14 +322,23 @@ register('lopd', Method(
                                  after_setup=True)},
     bench={'lopd': dict(tune=DISTILL_LR, cost=280, quick=True),
            'lopd-phase': dict(flags=['--composer_phase'], cost=670, quick=True),
-           'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True)}))
+           'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True),
+           # the ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
+           'lopd-m0.2': dict(flags=['--composer_phase', '--margin', '0.2'], cost=350),
+           'lopd-centered': dict(flags=['--composer_phase', '--advantage', 'centered'], cost=350),
+           'lopd-k16': dict(flags=['--K', '16'], cost=280),
+           'lopd-j3': dict(flags=['--J', '3'], cost=300),
+           'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),
+           'lopd-self': dict(flags=['--allow_same_task'], cost=280),
+           'lopd-offline': dict(flags=['--setup_free'], cost=300),
+           'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}))
 
 
 # ----------------------------------------------------------------------------- Traj-text (LOPD ablation)
 
 def trajtext_context(run, eps):
     """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
-    found = retrieve(run, [e.task for e in eps])
+    found = training_retrieval(run, eps)
     return Prefixes([bank_text(f) for f in found], found=found)
 
 

@@ -210,24 +210,31 @@ def oracle_text(run, task):
 def opsd_context(run, eps):
     """OPSD: the frozen base is shown an oracle trajectory of this task from the shared pool
     (--opsd_context answer: this task's reference solution, plan and answer, the OPSD code's form;
-    family: the oracle trajectory of another training task of the same family, OP²SD's donor)."""
-    if run.args.opsd_context == 'answer':
+    family: the oracle trajectory of another training task of the same family, OP²SD's donor; the two
+    controls: other = of a task of another family, none = an empty context, the frozen base anchoring θ)."""
+    c = run.args.opsd_context
+    if c == 'answer':
         return [solution_text(e.task) for e in eps]
-    return [oracle_text(run, family_donor(run, e.task) if run.args.opsd_context == 'family' else e.task) for e in eps]
+    if c == 'none':
+        return ['' for _ in eps]
+    return [oracle_text(run, donor(run, e.task, same_family=c == 'family') if c in ('family', 'other') else e.task)
+            for e in eps]
 
 
-def family_donor(run, task):
-    """Another training task of task's family, the same one every time it is asked (drawn by task id):
-    its oracle trajectory shows the family's plan in another world, as a retrieved experience would."""
-    same = [t for t in run.env.train_tasks if t.family == task.family and t.task_id != task.task_id]
-    return random.Random(task.task_id).choice(same)
+def donor(run, task, same_family):
+    """Another training task of task's family (or, same_family=False, of another family), the same one
+    every time it is asked (drawn by task id): its oracle trajectory shows that family's plan in another
+    world, as a retrieved experience would."""
+    pick = [t for t in run.env.train_tasks if (t.family == task.family) == same_family and t.task_id != task.task_id]
+    return random.Random(task.task_id).choice(pick)
 
 
 OPSD_FLAGS = {**POOL_FLAGS,
               'opsd_context': arg('pool', "what OPSD's teacher is shown: pool = an oracle trajectory of the task from the "
                                   "shared pool (the LOPD paper's runs); answer = this task's reference solution, its plan and "
                                   "answer (the OPSD code's 'reference solution'); family = the oracle trajectory of another training task of the "
-                                  "same family (OP²SD's donor)", choices=['pool', 'answer', 'family'])}
+                                  "same family (OP²SD's donor); controls: other = of a task of another family, none = an empty context",
+                                  choices=['pool', 'answer', 'family', 'other', 'none'])}
 
 
 register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
@@ -237,7 +244,9 @@ register('opsd', Method(distill, context=opsd_context, teacher='frozen', diverge
                                'opsd-rkl': dict(flags=['--divergence', 'rkl', '--lr', '3e-4'], cost=550, quick=True),
                                'opsd-family': dict(flags=['--opsd_context', 'family', '--divergence', 'rkl', '--lr', '3e-4'], cost=550),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
-                                                   cost=550, quick=True)}))
+                                                   cost=550, quick=True),
+                               'opsd-other': dict(flags=['--opsd_context', 'other'], cost=550),  # the controls
+                               'opsd-none': dict(flags=['--opsd_context', 'none'], cost=550)}))
 
 
 # ----------------------------------------------------------------------------- SDPO (lasgroup/SDPO)

@@ -33,7 +33,7 @@ def env():
 
 def fake_run(env, method, state=None, **kw):
     run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=methods.METHODS[method], rng=random.Random(0),
-                                args=types.SimpleNamespace(J=3, opsd_context="pool"), state=state or {"pool": {}})
+                                args=types.SimpleNamespace(J=3, opsd_context="pool", retrieval="similar"), state=state or {"pool": {}})
     if method == "skillsd" and not state:
         run.state = methods.METHODS["skillsd"].state(run)
     run.__dict__.update(kw)
@@ -65,13 +65,28 @@ def test_opsd_donor_context_is_another_training_task_of_the_same_family_always_t
     run.args.opsd_context = "family"
     train_ids = {t.task_id for t in env.train_tasks}
     for task in env.train_tasks[:20] + env.eval_tasks[:5]:
-        d = methods.family_donor(run, task)
+        d = methods.donor(run, task, same_family=True)
         assert d.family == task.family and d.task_id != task.task_id and d.task_id in train_ids
-        assert methods.family_donor(run, task) is d
+        assert methods.donor(run, task, same_family=True) is d
         text, = methods.opsd_context(run, [env.reset(task)])
         assert text == methods.experiences_text([(d.prompt, d.solution)])
-    donors = {methods.family_donor(run, t).task_id for t in env.train_tasks if t.family == env.train_tasks[0].family}
+    donors = {methods.donor(run, t, same_family=True).task_id for t in env.train_tasks if t.family == env.train_tasks[0].family}
     assert len(donors) > 1  # a donor per task, not one per family
+
+
+def test_opsd_controls_show_another_familys_trajectory_or_nothing(env):
+    """The controls: --opsd_context other = the oracle trajectory of a training task of another family (OP²SD's
+    shuffled donor), the same one each time; none = an empty context (the frozen base, for every rollout)."""
+    run = fake_run(env, "opsd")
+    run.args.opsd_context = "other"
+    for task in env.train_tasks[:20] + env.eval_tasks[:5]:
+        d = methods.donor(run, task, same_family=False)
+        assert d.family != task.family and d is methods.donor(run, task, same_family=False)
+        text, = methods.opsd_context(run, [env.reset(task)])
+        assert text == methods.experiences_text([(d.prompt, d.solution)])
+    run.args.opsd_context = "none"
+    eps = [env.reset(t) for t in env.train_tasks[:3]]
+    assert methods.opsd_context(run, eps) == ['', '', '']  # a str, so embed_context frames it: a teacher, not None
 
 
 def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_episodes(env):
@@ -161,6 +176,10 @@ def test_trajtext_shows_the_same_experiences_lopd_retrieves(env):
     for t, f, e in zip(texts, found, eps):
         assert len(f) == 3 and all(m.text in t for m in f)
         assert all(m.task_id != e.task.task_id for m in f)  # never this task instance
+    run.args.retrieval = "other"  # the control: other families' experiences only, as LOPD's --retrieval other shows them
+    found = lopd_method.training_retrieval(run, eps)
+    assert all(f and all(m.family != e.task.family for m in f) for f, e in zip(found, eps))
+    assert list(lopd_method.trajtext_context(run, eps)) == [methods.bank_text(f) for f in found]
 
 
 def test_skill_text_uses_only_the_tasks_family(env):
