@@ -272,7 +272,7 @@ def plot_actions(path, results):
     import matplotlib.pyplot as plt
     bars = {'base': next(iter(rows.values()))['base'], **{e: a['final'] for e, a in rows.items()}}
     kinds = sorted({k for d in bars.values() for k in d} - set(SHAPE))
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, ax = plt.subplots(1, 3, figsize=(16, max(4.8, 0.25 * len(bars) + 1.5)))
     left = np.zeros(len(bars))
     for k in kinds:
         w = np.array([d.get(k, 0.0) for d in bars.values()])
@@ -281,40 +281,62 @@ def plot_actions(path, results):
     ax[0].invert_yaxis()
     ax[0].set(xlabel='share of held-out actions (last evaluation)', xlim=(0, 1))
     ax[0].legend(fontsize=7, ncol=len(kinds), loc='lower center', bbox_to_anchor=(0.5, 1.0))
-    colors = plt.get_cmap('tab20').colors  # more entries than tab10 has colours
-    for i, (e, a) in enumerate(rows.items()):
+    style = styles(rows)  # more entries than tab10 has colours
+    for e, a in rows.items():
         for j, k in ((1, 'entropy'), (2, 'chars_per_action')):
             if a[k]:
-                ax[j].plot(a[k]['episodes'], a[k]['mean'], '-', marker='.', color=colors[i % 20], label=e)
+                ax[j].plot(a[k]['episodes'], a[k]['mean'], style[e][1], marker='.', color=style[e][0], label=e)
     ax[1].set(xlabel='episodes sampled', ylabel='entropy per agent token (training rollouts)')
     ax[2].set(xlabel='episodes sampled', ylabel='characters per held-out action')
     for a in ax[1:]:
         a.grid(alpha=0.3)
-    ax[2].legend(fontsize=7)
+    ax[2].legend(fontsize=7, ncol=2 if len(rows) > 12 else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
+def styles(entries):
+    """A colour and line style per entry, the same in every panel and plot (20 colours, then dashed)."""
+    import matplotlib.pyplot as plt
+    colors = plt.get_cmap('tab20').colors[0::2] + plt.get_cmap('tab20').colors[1::2]  # the 10 dark ones first
+    return {e: (colors[i % 20], '-' if i < 20 else '--') for i, e in enumerate(entries)}
+
+
+def curve_panels(entries):
+    """[the methods] and, if any, [the varied methods + their variants] ('lopd-m0' varies 'lopd')."""
+    own = [e for e in entries if '-' not in e]
+    variants = [e for e in entries if '-' in e]
+    return [own] + ([[e for e in own if any(v.split('-')[0] == e for v in variants)] + variants] if variants else [])
+
+
 def plot_curves(path, results, target):
+    """Held-out reward vs episodes: the methods in one panel; where the compare has variants ('lopd-m0'
+    is a variant of 'lopd': ablations, controls), they get a second panel beside the methods they vary."""
     import matplotlib
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for e, r in results.items():
-        if r:
-            c = r['curve']
-            n = len(r['final'])
-            line, = ax.plot(c['episodes'], c['mean'], '-', marker='.', label=f"{e} ({n} seed{'s' * (n > 1)})")
-            ax.fill_between(c['episodes'], c['min'], c['max'], color=line.get_color(), alpha=0.15)
-    if target is not None:
-        ax.axhline(target, color='k', ls=':', lw=1, label="GRPO's final mean reward")
-    ax.set(xlabel='episodes sampled', ylabel='held-out graded reward (seed mean, min–max band)', ylim=(0, 1))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    done = {e: r for e, r in results.items() if r}
+    panels, style = curve_panels(list(done)), styles(done)
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5.5), sharey=True, squeeze=False)
+    for ax, entries in zip(axes[0], panels):
+        for e in entries:
+            c, n = done[e]['curve'], len(done[e]['final'])
+            color, ls = style[e]
+            ax.plot(c['episodes'], c['mean'], ls, marker='.', color=color, label=f"{e} ({n} seed{'s' * (n > 1)})")
+            ax.fill_between(c['episodes'], c['min'], c['max'], color=color, alpha=0.08)
+        if target is not None:
+            ax.axhline(target, color='k', ls=':', lw=1, label="GRPO's final mean reward")
+        ax.set(xlabel='episodes sampled')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=2 if len(entries) > 10 else 1)
+    axes[0][0].set(ylabel='held-out graded reward (seed mean, min–max band)')
+    if len(panels) > 1:
+        axes[0][0].set_title('methods')
+        axes[0][1].set_title('variants: ablations and controls (beside their methods)')
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -450,3 +450,16 @@ def test_action_summary_and_table_on_fake_runs(tmp_path):
     assert report.plot_actions(f"{d}/a.png", {"lopd": r}) and open(f"{d}/a.png", "rb").read(4) == b"\x89PNG"
     fake_run(f"{d}/g1", "grpo", 1, [0, 1024], [0.5, 0.6])  # a run that logged no action types: no summary
     assert report.summarize([f"{d}/g1"], 1024)["actions"] is None and not report.plot_actions(f"{d}/b.png", {"grpo": None})
+
+
+def test_the_curves_plot_puts_variants_beside_their_methods(tmp_path):
+    """26 entries in one plot: the methods in one panel, the ablations and controls in a second, next to the
+    methods they vary; one colour and line style per entry, none reused."""
+    assert report.curve_panels(["lopd", "grpo", "opsd"]) == [["lopd", "grpo", "opsd"]]
+    assert report.curve_panels(["lopd", "grpo", "opsd", "lopd-m0", "opsd-none", "lopd-k16"]) == \
+        [["lopd", "grpo", "opsd"], ["lopd", "opsd", "lopd-m0", "opsd-none", "lopd-k16"]]
+    entries = list(bench.ENTRIES)
+    assert len(set(report.styles(entries).values())) == len(entries)
+    curve = {"episodes": [0, 3072], "mean": [0.3, 0.4], "min": [0.3, 0.35], "max": [0.3, 0.45]}
+    report.plot_curves(tmp_path / "c.png", {e: {"curve": curve, "final": [0.4]} for e in entries} | {"sdpo": None}, 0.4)
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
