@@ -2,12 +2,12 @@
 
     python bench.py --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
     python bench.py --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
-    python bench.py --env tooluse --tune     # 3 settings per method on seed 0 -> compare-tooluse/tuning.json
+    python bench.py --env tooluse --tune     # lr ×1/3, ×1, ×3 and a knob per method on seed 0 -> compare-tooluse/tuning.json
 
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
 output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed
 from their ckpt.pt, so a rerun only does what is missing. Seed 0 is the validation seed:
---tune picks each method's knob on it, and the compare reports seeds >= 1 only, with the
+--tune picks each method's learning rate or knob on it, and the compare reports seeds >= 1 only, with the
 tuned flags when tuning.json exists (--no_tuned ignores it). Any other `--flag value` or
 `--set key=value` goes to train.py for every run. Run names carry the budget and a hash of
 the flags beyond the entry's own, so quick, full and tuned runs never collide.
@@ -51,9 +51,16 @@ ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
 # --quick: the quick entries × 3 seeds, 1024 episodes, evaluated every 256 episodes (at the default batch of 16) on 500 tasks
 QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
 QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
-# --tune: the same number of settings for every method (its own entry's tune=[...]), the default
-# first (a tie keeps it). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
-TUNE = {name: m.bench[name]['tune'] for name, m in methods.METHODS.items() if len(m.bench.get(name, {}).get('tune', [])) > 1}
+# --tune: the same grid for every method, its learning rate ×1/3, ×1, ×3 and one other setting of its key
+# knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
+# noise (report.write_tuning). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
+def tuning_grid(name, m):
+    lr = lambda x: ['--lr', f'{x:.0e}'.replace('e-0', 'e-')]  # 1e-3 / 3 -> 3e-4
+    knob = m.bench.get(name, {}).get('knob')
+    return [[], lr(m.lr / 3), lr(m.lr * 3)] + ([knob] if knob else [])
+
+
+TUNE = {name: tuning_grid(name, m) for name, m in methods.METHODS.items()}
 # seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
 COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
 OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
@@ -232,7 +239,7 @@ def parse(argv):
     p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3)')
     p.add_argument('--quick', action='store_true',
                    help=f"{' '.join(QUICK_FLAGS)}, {len(QUICK_ENTRIES)} entries, in compare-<env>-quick/")
-    p.add_argument('--tune', action='store_true', help='3 settings per method on seed 0 -> tuning.json (used by compares)')
+    p.add_argument('--tune', action='store_true', help='lr ×1/3, ×1, ×3 and one other setting of its key knob, per method, on seed 0 -> tuning.json (used by compares)')
     p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
                    'training, overall and on opaque families -> teacher_gap.md')
     p.add_argument('--gap_tasks', type=int, default=200, help='held-out tasks of the --teacher_gap report')
@@ -310,9 +317,12 @@ def main(argv=None):
     if o.tune:
         grid = {}
         for r in runs:
-            s = report.read_json(os.path.join(out_dir, r['name'], 'summary.json')) or {}
-            grid.setdefault(r['entry'], []).append({'setting': r['setting'], 'name': r['name'], 'final_success':
-                                                    s.get('final_success'), 'best_success': s.get('best_success')})
+            s, _, evs = report.load_run(os.path.join(out_dir, r['name']))
+            done = s and s.get('episodes', 0) >= r['budget'] and evs and evs[-1].get('task_reward')
+            grid.setdefault(r['entry'], []).append({'setting': r['setting'], 'name': r['name'],
+                                                    'final_reward': s['final_reward'] if done else None,
+                                                    'final_success': s['final_success'] if done else None,
+                                                    'task_reward': evs[-1]['task_reward'] if done else None})
         report.write_tuning(cmp_dir, grid, meta)
         table = os.path.join(cmp_dir, 'tuning.md')
     else:

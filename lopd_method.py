@@ -21,7 +21,7 @@ import lopd
 import model as M
 import retrieval
 from bookkeeping import arg, optimizer_step
-from methods import (DISTILL_FLAGS, DISTILL_LR, TEACHER_FLAGS, Method, Prefixes, bank_text, distill, experience_line,
+from methods import (DISTILL_FLAGS, TEACHER_FLAGS, Method, Prefixes, bank_text, distill, experience_line,
                      register, with_default)
 
 BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
@@ -320,7 +320,7 @@ register('lopd', Method(
            'composer_phase': arg(False, "step 6, the paper's: train φ after each student step on the KL, the margin and "
                                  "the anchor (off by default: in the miniature it lowers the teacher and the student)",
                                  after_setup=True)},
-    bench={'lopd': dict(tune=DISTILL_LR, cost=280, quick=True),
+    bench={'lopd': dict(knob=['--cold_start_steps', '300'], cost=280, quick=True),
            'lopd-phase': dict(flags=['--composer_phase'], cost=670, quick=True),
            'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True),
            # the ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
@@ -351,4 +351,4 @@ def trajtext_after_step(run, b, logits_s, teacher):
 register('trajtext', Method(distill, context=trajtext_context, teacher='frozen', group=1, lr=1e-3,
                             state=lambda run: {'bank': new_bank(run)}, setup=fill_bank, after_step=trajtext_after_step,
                             flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **BANK_FLAGS},
-                            bench={'trajtext': dict(tune=DISTILL_LR, cost=430)}))
+                            bench={'trajtext': dict(knob=['--J', '3'], cost=430)}))

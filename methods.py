@@ -78,7 +78,8 @@ class Method:
     after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
     flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
     bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
-    #                                            method's own entry tune=[settings (flag lists), the default first])
+    #                                            method's own entry knob=[flags]: another setting of its key knob, which
+    #                                            bench.py --tune tries beside the learning rate ×1/3, ×1, ×3
 
 
 METHODS: dict = {}
@@ -142,9 +143,6 @@ TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is t
     'ema_rate': arg(0.0, "rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ (0 = the method's: SDPO 0.05, SDFT 0.01)",
                     lo=0, hi=1, after_setup=True),
 }
-DISTILL_LR = [[], ['--lr', '3e-4'], ['--lr', '3e-3']]
-
-
 def distill(run, b, logits_s, teacher):
     """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A| over the rollouts that got a teacher."""
     mask = b.amask * teacher.keep[:, None].to(b.amask)
@@ -166,7 +164,7 @@ import lopd_method  # noqa: E402,F401
 # ----------------------------------------------------------------------------- GRPO (Shao et al. 2024)
 
 register('grpo', Method(grpo_loss, teacher='none', group=4, lr=1e-4,
-                        bench={'grpo': dict(tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']], cost=160, quick=True)}))
+                        bench={'grpo': dict(knob=['--batch', '32'], cost=160, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- the shared pool of verified successes
@@ -240,7 +238,7 @@ OPSD_FLAGS = {**POOL_FLAGS,
 register('opsd', Method(distill, context=opsd_context, teacher='frozen', divergence='fkl', group=1, lr=1e-3,
                         state=pool_state, setup=build_pool,
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS},
-                        bench={'opsd': dict(tune=DISTILL_LR, cost=550, quick=True),
+                        bench={'opsd': dict(knob=['--divergence', 'rkl'], cost=550, quick=True),
                                'opsd-rkl': dict(flags=['--divergence', 'rkl', '--lr', '3e-4'], cost=550, quick=True),
                                'opsd-family': dict(flags=['--opsd_context', 'family', '--divergence', 'rkl', '--lr', '3e-4'], cost=550),
                                'opsd-answer': dict(flags=['--opsd_context', 'answer', '--divergence', 'jsd', '--pool_episodes', '0'],
@@ -265,7 +263,7 @@ def sdpo_context(run, eps):
 
 register('sdpo', Method(distill, context=sdpo_context, teacher='ema', group=4, lr=1e-3,
                         flags={**DISTILL_FLAGS, **TEACHER_FLAGS},
-                        bench={'sdpo': dict(tune=[[], ['--lr', '3e-4'], ['--ema_rate', '0.01']], cost=220)}))
+                        bench={'sdpo': dict(knob=['--ema_rate', '0.01'], cost=220)}))
 
 
 # ----------------------------------------------------------------------------- SDFT (as the LOPD paper ran it)
@@ -278,7 +276,7 @@ def sdft_context(run, eps):
 register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence='fkl', group=1, lr=1e-3,
                         state=pool_state, setup=build_pool,
                         ema_rate=0.01, flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **POOL_FLAGS},
-                        bench={'sdft': dict(tune=DISTILL_LR, cost=630, quick=True)}))
+                        bench={'sdft': dict(knob=['--ema_rate', '0.05'], cost=630, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- Skill-SD (Wang et al. 2026)
@@ -356,7 +354,7 @@ register('skillsd', Method(
     skillsd_loss, context=skillsd_context, teacher='live', group=4, lr=1e-4, after_step=skillsd_after_step,
     state=lambda run: {'skills': {}, 'ucb': {}, 'arm': {}, 'shaped': {}},
     flags={**TEACHER_FLAGS, 'k3_coef': arg(0.001, 'weight λ of the importance-weighted k3 term', lo=0, after_setup=True)},
-    bench={'skillsd': dict(tune=[[], ['--lr', '3e-4'], ['--k3_coef', '0.01']], cost=290)}))
+    bench={'skillsd': dict(knob=['--k3_coef', '0.01'], cost=290)}))
 
 
 # ----------------------------------------------------------------------------- the variants

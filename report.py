@@ -340,18 +340,35 @@ def plot_curves(path, results, target):
     plt.close(fig)
 
 
+def choose_setting(settings):
+    """The tuning rule, the same for every method: the default (settings[0]) is kept unless another
+    setting's final reward beats it on the same held-out tasks with a 95% bootstrap interval of the
+    paired gain above 0 (on one seed, a few points is noise); of those, the largest mean gain.
+    -> (chosen setting or None if the default did not finish, {setting index: (gain, lo, hi)})."""
+    default = settings[0]
+    if default['task_reward'] is None:
+        return None, {}
+    gains = {i: bootstrap_ci([np.subtract(s['task_reward'], default['task_reward'])])
+             for i, s in enumerate(settings) if i and s['task_reward'] is not None}
+    better = [i for i, (_, lo, _) in gains.items() if lo > 0]
+    return settings[max(better, key=lambda i: gains[i][0])] if better else default, gains
+
+
 def write_tuning(cmp_dir, grid, meta):
-    """Best final success per entry on seed 0 -> tuning.json (merged with earlier tunings) + tuning.md."""
+    """Per entry, the setting choose_setting picks on seed 0 -> tuning.json (merged with earlier tunings) + tuning.md."""
     path = os.path.join(cmp_dir, 'tuning.json')
     tuning = (read_json(path) or {}) | {'meta': meta}
-    md = ['# Tuning on seed 0 (validation seed, not reported)', '', '| entry | setting | final success | best | chosen |',
-          '|---|---|---|---|---|']
+    md = ['# Tuning on seed 0 (validation seed, not reported)', '',
+          "The default is kept unless a setting's gain over it, paired on the same held-out tasks, has a 95% "
+          'bootstrap interval above 0.', '', '| entry | setting | final reward | success | gain over the default | chosen |',
+          '|---|---|---|---|---|---|']
     for e, settings in grid.items():
-        done = [s for s in settings if s['final_success'] is not None]
-        best = max(done, key=lambda s: s['final_success']) if done else None  # max keeps the first of ties
-        tuning[e] = {'flags': best['setting'] if best else [], 'final_success': best and best['final_success'], 'grid': settings}
-        md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_success'])} | {fmt(s['best_success'])} | "
-               f"{'✓' if s is best else ''} |" for s in settings]
+        best, gains = choose_setting(settings)
+        tuning[e] = {'flags': best['setting'] if best else [], 'final_reward': best and best['final_reward'],
+                     'grid': [{k: v for k, v in s.items() if k != 'task_reward'} for s in settings]}
+        md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_reward'])} | {fmt(s['final_success'])} | "
+               f"{'{:+.3f} [{:+.3f}, {:+.3f}]'.format(*gains[i]) if i in gains else ''} | {'✓' if s is best else ''} |"
+               for i, s in enumerate(settings)]
     with open(path, 'w') as f:
         json.dump(tuning, f, indent=1)
     with open(os.path.join(cmp_dir, 'tuning.md'), 'w') as f:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 import lopd
 import model as M
 from bookkeeping import arg, die, optimizer_step
-from methods import (DISTILL_FLAGS, DISTILL_LR, OPSD_FLAGS, TEACHER_FLAGS, Batch, Method, build_pool, distill, grpo_loss,
+from methods import (DISTILL_FLAGS, OPSD_FLAGS, TEACHER_FLAGS, Batch, Method, build_pool, distill, grpo_loss,
                      opsd_context, pool_state, register)
 
 
@@ -45,7 +45,7 @@ def psp_sample(run, tasks, rollout):
 
 
 register('psp', Method(grpo_loss, sample=psp_sample, teacher='none', group=4, lr=1e-4,
-                       bench={'psp': dict(tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']], cost=200, quick=True)}))
+                       bench={'psp': dict(knob=['--batch', '32'], cost=200, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- SOD (Zhong et al. 2026, arXiv 2605.07725)
@@ -90,7 +90,7 @@ register('sod', Method(sod_loss, context=opsd_context, teacher='frozen', diverge
                        flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **OPSD_FLAGS,
                               'sod_tau': arg(0.0, "SOD's temperature τ of w_k = exp(−D̄_k/τ) (0 = the batch's mean D̄_k)", lo=0,
                                              after_setup=True)},
-                       bench={'sod': dict(tune=DISTILL_LR, cost=550, quick=True)}))
+                       bench={'sod': dict(knob=['--divergence', 'fkl'], cost=550, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- ACSD (activation-conditioned self-distillation)
@@ -161,7 +161,7 @@ register('acsd', Method(distill, context=lambda run, eps: M.bos_prefix(run.teach
                                'steer_scale': arg(1.0, 'α: the teacher adds α·v', after_setup=True),
                                'steer_rate': arg(0.1, 'running-mean rate of the class means v is made of', lo=0, hi=1, after_setup=True),
                                'steer_episodes': arg(256, 'base rollouts that make the first v (they count toward --episodes)', lo=0)},
-                        bench={'acsd': dict(tune=DISTILL_LR, cost=400, quick=True)}))
+                        bench={'acsd': dict(knob=['--steer_scale', '2'], cost=400, quick=True)}))
 
 
 # ----------------------------------------------------------------------------- VASPO (privileged value estimation with PPO)
@@ -229,4 +229,4 @@ register('vaspo', Method(vaspo_loss, context=opsd_context, teacher='frozen', gro
                                 'vaspo_eps': arg(0.2, "ε_T: the teacher's ratio on positive advantages is bounded to [1 − ε_T, 1 + ε_T]",
                                                  lo=0, hi=1, after_setup=True),
                                 'lr_critic': arg(1e-3, "the critic's learning rate", lo=0, open_lo=True)},
-                         bench={'vaspo': dict(tune=[[], ['--lr', '3e-5'], ['--lr', '3e-4']], cost=300, quick=True)}))
+                         bench={'vaspo': dict(knob=['--gae_lambda', '1'], cost=300, quick=True)}))

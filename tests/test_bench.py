@@ -24,8 +24,9 @@ TINY = ["--episodes", "48", "--batch", "16", *TINY_BASE, "--init_episodes", "16"
         "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
 
 
-def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None):
-    """A run folder as train.py leaves it: config.json, metrics.jsonl, summary.json."""
+def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None, tasks=None):
+    """A run folder as train.py leaves it: config.json, metrics.jsonl, summary.json (tasks: the last
+    evaluation's per-task rewards)."""
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump({"method": method, "seed": seed, "code": code or train.CODE}, f)
@@ -36,10 +37,12 @@ def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ck
                 m["beta"] = 0.1 * i
             if teacher is not None:
                 m.update(teacher_reward=teacher, student_reward_same_tasks=y)
+            if tasks is not None and i == len(xs) - 1:
+                m["task_reward"] = tasks
             f.write(json.dumps(m) + "\n")
     if summary:
         with open(os.path.join(d, "summary.json"), "w") as f:
-            json.dump({"method": method, "seed": seed, "episodes": xs[-1], "base_success": ys[0], "final_success": ys[-1],
+            json.dump({"method": method, "seed": seed, "episodes": xs[-1], "base_success": ys[0], "final_success": ys[-1], "final_reward": ys[-1],
                        "best_success": max(ys), "teacher_reward": teacher, "wall_seconds": 10.0,
                        "setup_episodes": 256 if method == "lopd" else 0}, f)
     if ckpt:
@@ -162,29 +165,42 @@ def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
 
 
 def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypatch):
+    """Every method: lr ×1/3, ×1, ×3 and its knob. lopd: lr 9e-4 beats the default on every task (chosen);
+    grpo: its knob (--batch 32) is 3 points better on average but task by task within the noise, so the
+    default is kept, as it is on a tie."""
     out, calls = str(tmp_path), []
+    assert bench.TUNE["lopd"] == [[], ["--lr", "1e-4"], ["--lr", "9e-4"], ["--cold_start_steps", "300"]]
+    assert bench.TUNE["grpo"] == [[], ["--lr", "3e-5"], ["--lr", "3e-4"], ["--batch", "32"]]
+    assert all(len(g) == 4 and g[0] == [] for g in bench.TUNE.values())  # the same grid for every method
 
-    def launch(cmd, log_path, env, signals=()):  # lopd: lr 3e-3 wins, grpo: lr 3e-4; ties keep the default
+    def launch(cmd, log_path, env, signals=()):
         calls.append(cmd)
         name = cmd[cmd.index("--name") + 1]
-        good = ("lopd" in name and "lr3e-3" in name) or ("grpo" in name and "lr3e-4" in name)
-        fake_run(f"{out}/{name}", "x", int(name[-1]), [0, 32, 64], [0.5, 0.6, 0.7 if good else 0.5])
+        tasks = [0.0, 1.0] * 50                                       # the default: 0.5
+        if "lopd" in name and "lr9e-4" in name:
+            tasks = [0.2, 1.0] * 50                                   # +0.2 on half the tasks, never worse
+        if "grpo" in name and "batch32" in name:
+            tasks = [1.0, 0.0] * 50                                   # as often better as worse ...
+            tasks[:6] = [1.0] * 6                                     # ... and 0.03 better on average
+        fake_run(f"{out}/{name}", "x", int(name[-1]), [0, 32, 64], [0.5, 0.6, float(np.mean(tasks))], tasks=tasks)
         return 0
 
     monkeypatch.setattr(bench, "launch", launch)
     with pytest.raises(SystemExit):
         bench.main(["--tune", "--methods", "lopd,grpo,lopd-m0", "--out_dir", out, "--episodes", "64"])
-    assert len(calls) == 6 and all(c[c.index("--seed") + 1] == "0" for c in calls)  # 3 settings each, seed 0
-    assert "tune-lopd-tooluse-e64-lr3e-3-s0" in [c[c.index("--name") + 1] for c in calls]
+    assert len(calls) == 8 and all(c[c.index("--seed") + 1] == "0" for c in calls)  # 4 settings each, seed 0
+    assert "tune-lopd-tooluse-e64-lr9e-4-s0" in [c[c.index("--name") + 1] for c in calls]
     tuning = json.load(open(f"{out}/compare-tooluse/tuning.json"))
-    assert tuning["lopd"]["flags"] == ["--lr", "3e-3"] and tuning["grpo"]["flags"] == ["--lr", "3e-4"]
-    assert "✓" in open(f"{out}/compare-tooluse/tuning.md").read()
+    assert tuning["lopd"]["flags"] == ["--lr", "9e-4"] and tuning["lopd"]["final_reward"] == pytest.approx(0.6)
+    assert tuning["grpo"]["flags"] == [] and [s["final_reward"] for s in tuning["grpo"]["grid"]] == pytest.approx([0.5, 0.5, 0.5, 0.53])
+    md = open(f"{out}/compare-tooluse/tuning.md").read()
+    assert md.count("✓") == 2 and "| +0.100 [+0.0" in md and "| +0.030 [-0." in md
     calls.clear()
     with pytest.raises(SystemExit):
         bench.main(["--methods", "lopd,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
     lo, m0 = sorted(calls, key=lambda c: "lopd-m0" in c[c.index("--name") + 1])  # launched longest first
-    assert lo[lo.index("--lr") + 1] == "3e-3" and "-e64-" in lo[lo.index("--name") + 1]
-    assert m0[m0.index("--lr") + 1] == "3e-3"  # an ablation takes its method's tuned flags
+    assert lo[lo.index("--lr") + 1] == "9e-4" and "-e64-" in lo[lo.index("--name") + 1]
+    assert m0[m0.index("--lr") + 1] == "9e-4"  # an ablation takes its method's tuned flags
     assert m0[len(m0) - 1 - m0[::-1].index("--margin") + 1] == "0"  # the ablation's own flag comes last, so it holds
     assert lo[lo.index("--name") + 1] != "cmp-lopd-tooluse-e64-s1"  # tuned runs are not the untuned ones
 
@@ -300,11 +316,11 @@ def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
     import methods
     monkeypatch.setitem(methods.METHODS, "grpo2", methods.Method(
         methods.grpo_loss, teacher="none", group=4,
-        bench={"grpo2": dict(cost=1, tune=[[], ["--lr", "1e-5"]]), "grpo2-slow": dict(flags=["--lr", "1e-5"])}))
+        bench={"grpo2": dict(cost=1, knob=["--batch", "8"]), "grpo2-slow": dict(flags=["--lr", "1e-5"])}))
     b = importlib.reload(bench)
     try:
         assert b.ENTRIES["grpo2"] == ["--method", "grpo2"] and b.ENTRIES["grpo2-slow"] == ["--method", "grpo2", "--lr", "1e-5"]
-        assert b.TUNE["grpo2"] == [[], ["--lr", "1e-5"]] and b.COST["grpo2"] == 1
+        assert b.TUNE["grpo2"] == [[], ["--lr", "3e-4"], ["--lr", "3e-3"], ["--batch", "8"]] and b.COST["grpo2"] == 1
         assert list(b.ENTRIES).index("grpo2") < list(b.ENTRIES).index("lopd-phase")  # methods first, then ablations
         assert b.for_method(["--cold_start_steps", "3", "--composer_phase", "--lr", "1e-3"], "grpo2") == ["--lr", "1e-3"]
         assert b.for_method(["--cold_start_steps=3", "--composer_phase"], "lopd") == ["--cold_start_steps=3", "--composer_phase"]
