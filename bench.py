@@ -55,6 +55,7 @@ QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16'
 # knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
 # noise (report.write_tuning). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
 def tuning_grid(name, m):
+    """[default, lr / 3, lr × 3, the knob's other setting] (each a list of train.py flags)."""
     lr = lambda x: ['--lr', f'{x:.0e}'.replace('e-0', 'e-')]  # 1e-3 / 3 -> 3e-4
     knob = m.bench.get(name, {}).get('knob')
     return [[], lr(m.lr / 3), lr(m.lr * 3)] + ([knob] if knob else [])
@@ -239,7 +240,8 @@ def parse(argv):
     p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3)')
     p.add_argument('--quick', action='store_true',
                    help=f"{' '.join(QUICK_FLAGS)}, {len(QUICK_ENTRIES)} entries, in compare-<env>-quick/")
-    p.add_argument('--tune', action='store_true', help='lr ×1/3, ×1, ×3 and one other setting of its key knob, per method, on seed 0 -> tuning.json (used by compares)')
+    p.add_argument('--tune', action='store_true', help='per method, lr ×1/3, ×1, ×3 and one other setting of its key '
+                   'knob on seed 0 -> tuning.json (used by compares)')
     p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
                    'training, overall and on opaque families -> teacher_gap.md')
     p.add_argument('--gap_tasks', type=int, default=200, help='held-out tasks of the --teacher_gap report')
