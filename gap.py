@@ -80,12 +80,28 @@ def spearman(x, y):
     return None if len(x) < 3 or rx.std() == 0 or ry.std() == 0 else float(np.corrcoef(rx, ry)[0, 1])
 
 
+# the compare's controls are the report's control rows (the same contexts, measured before training)
+CONTROL_ROWS = {'opsd-other': 'opsd-donor', 'opsd-none': 'opsd-empty', 'lopd-other': 'lopd-control'}
+# flags that change a teacher before training (its setup or its context): an ablation with one of them
+# needs a row of its own (GAP_EXTRA), never its method's
+TEACHER_FLAGS = {'--K', '--J', '--cold_start', '--cold_start_steps', '--cold_start_sample', '--allow_same_task', '--composer',
+                 '--reader', '--bank_source', '--embedder', '--rerank', '--opsd_context', '--retrieval', '--lr_cold_start'}
+
+
+def gap_row(entry, table):
+    """The teacher-gap row of a compare entry: its own, its control's, or else its method's if the
+    entry's flags leave the step-0 teacher as the method's (lopd-phase: lopd's; lopd-k16: none). -> name or None."""
+    row = entry if entry in table else CONTROL_ROWS.get(entry)
+    if row is None and entry in bench.ENTRIES and not TEACHER_FLAGS & set(bench.ENTRIES[entry]):
+        row = bench.method_of(entry)
+    return row if row in table else None
+
+
 def gain_pairs(res, table, stat):
-    """(entry, its method's statistic, final − base) for each (entry, seed) of a compare's results whose
-    method has a row in the teacher-gap table (an ablation takes its method's row: lopd-frozen uses lopd's)."""
+    """(entry, its row's statistic, final − base) for each (entry, seed) of a compare's results that
+    has a row in the teacher-gap table (gap_row)."""
     return [(e, stat(table[row]), final - r['base_mean']) for e, r in res['entries'].items() if r
-            for row in [e if e in table else bench.method_of(e) if e in bench.ENTRIES else None]
-            if row in table and stat(table[row]) is not None for final in r['final']]
+            for row in [gap_row(e, table)] if row and stat(table[row]) is not None for final in r['final']]
 
 
 def step0_gap(table):
@@ -198,7 +214,8 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     if corr:
         md += ['', "Privileged-information utility: Spearman's ρ between each statistic above (before training) and "
                "the gain over the base of each run of this folder's results.json (one pair per entry and seed; "
-               "an ablation takes its method's row):", '', '| statistic | ρ | pairs |', '|---|---|---|']
+               "a control takes its control row, an ablation its own row or, if it leaves the teacher as it was before training, "
+               "its method's):", '', '| statistic | ρ | pairs |', '|---|---|---|']
         md += [f'| {k} | {fmt(rho, "+.2f")} | {n} |' for k, (rho, n) in corr.items()]
         table['utility_correlation'] = {k: {'rho': rho, 'pairs': n} for k, (rho, n) in corr.items()}
     law = predictive_law(cmp_dir, table)
@@ -223,6 +240,9 @@ GAP_EXTRA = {'opsd-answer': ['--method', 'opsd', '--opsd_context', 'answer'],  #
                           '--bank_source', 'rollouts'],                       # an earlier default: an MLP on the base's rollouts
              'lopd-copy': ['--method', 'lopd', '--cold_start_steps', '0'],    # no cold start: the copy-started composer (the earlier default)
              'lopd-self': ['--method', 'lopd', '--allow_same_task'],           # self-retrieval, as the paper's code allows
+             'lopd-k16': ['--method', 'lopd', '--K', '16'],                    # the compare's ablations whose teacher is not LOPD's
+             'lopd-j3': ['--method', 'lopd', '--J', '3'],
+             'lopd-textcs': ['--method', 'lopd', '--cold_start', 'text'],
              'lopd-expert': ['--method', 'lopd', '--bank_source', 'expert'],    # upper bounds: a bank of expert demos
              'trajtext-expert': ['--method', 'trajtext', '--bank_source', 'expert']}
 GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teacher with its context) on the student\'s own sampled rollouts that succeeded / failed (one per task). '
@@ -232,7 +252,8 @@ GAP_LEGEND = ('KL, successes / failures: the mean per-token KL(student ‖ teach
               'lopd-copy: the copy-started composer without a cold start (its latents start as the experience\'s embeddings); '
               'lopd-self: retrieval may return the task itself; opsd-answer: OPSD shown this task\'s plan and answer; opsd-family: OPSD shown the '
               'oracle trajectory of another training task of the same family (OP²SD\'s donor); -expert: the bank filled with the '
-              'scripted expert\'s demos (an upper bound, not the method).')
+              'scripted expert\'s demos (an upper bound, not the method); lopd-k16, lopd-j3, lopd-textcs: the compare\'s '
+              'ablations K = 16, J = 3 and the text-matching cold start.')
 
 
 # ----------------------------------------------------------------------------- memory (--memory)

@@ -15,6 +15,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import gap  # noqa: E402
+import methods  # noqa: E402
 import report  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 import train  # noqa: E402
@@ -393,6 +394,19 @@ def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
     assert corr["KL, failures"] == (None, 3)   # opsd has no failed rollout: 3 pairs, all of one value
     assert corr["KL, failures − successes"][1] == 3
     assert gap.utility_correlation(str(tmp_path / "nowhere"), table) is None
+
+
+def test_a_compare_entry_takes_the_row_of_its_own_teacher():
+    """Controls take the report's control rows; an ablation whose flags change the step-0 teacher (K, the
+    cold start, the context) needs a row of its own and is otherwise left out of the law; one that acts
+    only during training (the composer phase, the margin, the divergence) takes its method's."""
+    table = {k: {"success": 0.5} for k in ["lopd", "opsd", "opsd-donor", "opsd-empty", "lopd-control", "lopd-j3"]}
+    assert [gap.gap_row(e, table) for e in ["opsd-other", "opsd-none", "lopd-other", "lopd-m0", "opsd-rkl", "lopd-offline"]] == \
+        ["opsd-donor", "opsd-empty", "lopd-control", "lopd", "opsd", "lopd"]
+    assert [gap.gap_row(e, table) for e in ["lopd-j3", "lopd-k16", "lopd-textcs", "lopd-self", "opsd-family", "grpo"]] == \
+        ["lopd-j3", None, None, None, None, None]
+    assert set(gap.GAP_EXTRA) >= {e for e in bench.ENTRIES if e not in methods.METHODS and gap.TEACHER_FLAGS & set(bench.ENTRIES[e])
+                                  and e not in gap.CONTROL_ROWS}  # every such ablation of the compare gets its row
 
 
 def test_ols_against_a_slow_reference():
