@@ -84,7 +84,7 @@ def spearman(x, y):
 CONTROL_ROWS = {'opsd-other': 'opsd-donor', 'opsd-none': 'opsd-empty', 'lopd-other': 'lopd-control'}
 # flags that change a teacher before training (its setup or its context): an ablation with one of them
 # needs a row of its own (GAP_EXTRA), never its method's
-TEACHER_FLAGS = {'--K', '--J', '--cold_start', '--cold_start_steps', '--cold_start_sample', '--allow_same_task', '--composer',
+STEP0_FLAGS = {'--K', '--J', '--cold_start', '--cold_start_steps', '--cold_start_sample', '--allow_same_task', '--composer',
                  '--reader', '--bank_source', '--embedder', '--rerank', '--opsd_context', '--retrieval', '--lr_cold_start'}
 
 
@@ -92,7 +92,7 @@ def gap_row(entry, table):
     """The teacher-gap row of a compare entry: its own, its control's, or else its method's if the
     entry's flags leave the step-0 teacher as the method's (lopd-phase: lopd's; lopd-k16: none). -> name or None."""
     row = entry if entry in table else CONTROL_ROWS.get(entry)
-    if row is None and entry in bench.ENTRIES and not TEACHER_FLAGS & set(bench.ENTRIES[entry]):
+    if row is None and entry in bench.ENTRIES and not STEP0_FLAGS & set(bench.ENTRIES[entry]):
         row = bench.method_of(entry)
     return row if row in table else None
 

@@ -405,7 +405,7 @@ def test_a_compare_entry_takes_the_row_of_its_own_teacher():
         ["opsd-donor", "opsd-empty", "lopd-control", "lopd", "opsd", "lopd"]
     assert [gap.gap_row(e, table) for e in ["lopd-j3", "lopd-k16", "lopd-textcs", "lopd-self", "opsd-family", "grpo"]] == \
         ["lopd-j3", None, None, None, None, None]
-    assert set(gap.GAP_EXTRA) >= {e for e in bench.ENTRIES if e not in methods.METHODS and gap.TEACHER_FLAGS & set(bench.ENTRIES[e])
+    assert set(gap.GAP_EXTRA) >= {e for e in bench.ENTRIES if e not in methods.METHODS and gap.STEP0_FLAGS & set(bench.ENTRIES[e])
                                   and e not in gap.CONTROL_ROWS}  # every such ablation of the compare gets its row
 
 
