@@ -134,14 +134,14 @@ def ols(x, y):
     return float(b), float(a), float(1 - ((y - a - b * x) ** 2).sum() / ss) if ss > 0 else None
 
 
-def predictive_law(cmp_dir, table, n_boot=2000, seed=0, level=0.95):
+def predictive_law(cmp_dir, table, n_boot=2000, seed=0, level=0.95, keep=lambda entry: True):
     """The predictive law of on-policy self-distillation (arXiv 2605.30070): a run's final gain over
     its base is linear in its teacher's step-0 gap over the student. OLS over the (entry, seed) pairs
-    of the compare's results.json, with bootstrap intervals that resample whole entries (an entry's
-    seeds share one gap). -> {'slope'|'intercept'|'r2': (value, lo, hi), 'pairs', 'entries'}, or None
-    without results.json or with fewer than three distinct gaps."""
+    of the compare's results.json (the entries `keep` keeps), with bootstrap intervals that resample
+    whole entries (an entry's seeds share one gap). -> {'slope'|'intercept'|'r2': (value, lo, hi),
+    'pairs', 'entries'}, or None without results.json or with fewer than three distinct gaps."""
     res = read_json(os.path.join(cmp_dir, 'results.json'))
-    pairs = gain_pairs(res, table, step0_gap(table)) if res else []
+    pairs = [p for p in gain_pairs(res, table, step0_gap(table)) if keep(p[0])] if res else []
     if len({x for _, x, _ in pairs}) < 3:
         return None
     entries = sorted({e for e, _, _ in pairs})
@@ -218,19 +218,79 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
                "its method's):", '', '| statistic | ρ | pairs |', '|---|---|---|']
         md += [f'| {k} | {fmt(rho, "+.2f")} | {n} |' for k, (rho, n) in corr.items()]
         table['utility_correlation'] = {k: {'rho': rho, 'pairs': n} for k, (rho, n) in corr.items()}
-    law = predictive_law(cmp_dir, table)
-    if law:
-        iv = lambda k, f: f"{fmt(law[k][0], f)} [{fmt(law[k][1], f)}, {fmt(law[k][2], f)}]"
-        md += ['', f"The predictive law (arXiv 2605.30070), final gain = a + b · teacher gap, OLS over the {law['pairs']} "
-               f"(entry, seed) pairs of {law['entries']} entries, 95% intervals resampling entries: slope b = "
-               f"{iv('slope', '+.2f')}, intercept a = {iv('intercept', '+.3f')}, R² = {iv('r2', '.2f')}."]
-        table['predictive_law'] = law
+    md += law_section(cmp_dir, table)
     os.makedirs(cmp_dir, exist_ok=True)
     with open(os.path.join(cmp_dir, 'teacher_gap.json'), 'w') as f:
         json.dump(table, f, indent=1)
     with open(os.path.join(cmp_dir, 'teacher_gap.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
     return md
+
+
+def law_section(cmp_dir, table):
+    """The predictive law's lines of teacher_gap.md (the fit, the fit without LOPD's entries, a row per
+    entry) and its plot law.png, from a teacher-gap table and the compare's results.json in cmp_dir;
+    the fits go into `table`. -> [markdown lines], none without results.json."""
+    md = []
+    law = predictive_law(cmp_dir, table)
+    if law:
+        iv = lambda law, k, f: f"{fmt(law[k][0], f)} [{fmt(law[k][1], f)}, {fmt(law[k][2], f)}]"
+        fit = lambda law: (f"slope b = {iv(law, 'slope', '+.2f')}, intercept a = {iv(law, 'intercept', '+.3f')}, "
+                           f"R² = {iv(law, 'r2', '.2f')}")
+        md += ['', f"The predictive law (arXiv 2605.30070), final gain = a + b · teacher gap, OLS over the {law['pairs']} "
+               f"(entry, seed) pairs of {law['entries']} entries, 95% intervals resampling entries: {fit(law)}."]
+        table['predictive_law'] = law
+        # does it rest on LOPD's entries (the largest gaps)? the same fit without them
+        rest = predictive_law(cmp_dir, table, keep=lambda e: bench.method_of(e) != 'lopd')
+        if rest:
+            md += [f"Without LOPD's entries ({rest['pairs']} pairs of {rest['entries']} entries): {fit(rest)}."]
+            table['predictive_law_without_lopd'] = rest
+        res = read_json(os.path.join(cmp_dir, 'results.json'))
+        points = law_points(res, table)
+        md += ['', "Per entry (plotted in law.png): its teacher's row, the step-0 gap, the gain over the base (seed mean).", '', '| entry | row | gap | gain | seeds |', '|---|---|---|---|---|']
+        md += [f'| {e} | {row} | {x:+.3f} | {np.mean(ys):+.3f} | {len(ys)} |' for e, (row, x, ys) in points.items()]
+        plot_law(os.path.join(cmp_dir, 'law.png'), points, law, res)
+    return md
+
+
+def law_points(res, table):
+    """{entry: (its teacher-gap row, step-0 gap, [gain of each seed])}, by increasing gap."""
+    out = {}
+    for e, x, y in gain_pairs(res, table, step0_gap(table)):
+        out.setdefault(e, (gap_row(e, table), x, []))[2].append(y)
+    return dict(sorted(out.items(), key=lambda kv: kv[1][1]))
+
+
+def plot_law(path, points, law, res):
+    """Gain over the base vs the teacher's step-0 gap: one dot per (entry, seed), the seed mean labelled,
+    the OLS line, and the gain of the entries without a teacher (GRPO, PSP) as horizontal lines."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for i, (e, (_, x, ys)) in enumerate(points.items()):
+        color = 'tab:red' if bench.method_of(e) == 'lopd' else 'tab:blue'
+        ax.scatter([x] * len(ys), ys, s=12, color=color, alpha=0.35)
+        ax.scatter([x], [np.mean(ys)], s=30, color=color)
+        right = i % 2 == 0  # labels alternate sides: entries that share a gap share an x
+        ax.annotate(e, (x, np.mean(ys)), fontsize=7, xytext=(3 if right else -3, 2), textcoords='offset points',
+                    ha='left' if right else 'right')
+    xs = np.linspace(0, max(x for _, x, _ in points.values()) * 1.05, 2)
+    (b, _, _), (a, _, _), (r2, _, _) = law['slope'], law['intercept'], law['r2']
+    ax.plot(xs, a + b * xs, 'k-', lw=1, label=f'OLS: gain = {a:+.3f} + {b:.2f} · gap (R² {fmt(r2, ".2f")})')
+    for e, r in res['entries'].items():
+        if r and e not in points and methods.METHODS.get(bench.method_of(e)) and methods.METHODS[bench.method_of(e)].teacher == 'none':
+            ax.axhline(np.mean(r['final']) - r['base_mean'], ls=':', lw=1, color='gray')
+            ax.annotate(f'{e} (no teacher)', (xs[0], np.mean(r['final']) - r['base_mean']), fontsize=7, color='gray')
+    ax.scatter([], [], color='tab:red', label="LOPD's entries")
+    ax.scatter([], [], color='tab:blue', label='the other entries (controls on their control rows)')
+    ax.set(xlabel="teacher's step-0 gap over its student (held-out reward, greedy)",
+           ylabel='final gain over the base (held-out reward)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc='lower right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # LOPD's choices that the teacher-gap report shows side by side (no cold start, an earlier composer, self-retrieval)

@@ -493,3 +493,25 @@ def test_the_curves_plot_puts_variants_beside_their_methods(tmp_path):
     curve = {"episodes": [0, 3072], "mean": [0.3, 0.4], "min": [0.3, 0.35], "max": [0.3, 0.45]}
     report.plot_curves(tmp_path / "c.png", {e: {"curve": curve, "final": [0.4]} for e in entries} | {"sdpo": None}, 0.4)
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_law_section_fits_without_lopd_and_lists_every_entry(tmp_path):
+    """The law's section of the teacher-gap report: the fit over every entry, the same fit without
+    LOPD's entries (over the other entries' pairs only), one row per entry with its row, gap and mean
+    gain, and the plot."""
+    table = {"student": {"success": 0.5}, "lopd": {"success": 0.8}, "opsd": {"success": 0.6},
+             "sdpo": {"success": 0.55}, "sdft": {"success": 0.7}, "opsd-donor": {"success": 0.52}}
+    results = {"entries": {"lopd": {"final": [0.9, 0.95], "base_mean": 0.5},    # far above the others' line
+                           "lopd-phase": {"final": [0.9], "base_mean": 0.5},
+                           "opsd": {"final": [0.55, 0.56], "base_mean": 0.5}, "sdpo": {"final": [0.525], "base_mean": 0.5},
+                           "sdft": {"final": [0.6], "base_mean": 0.5}, "opsd-other": {"final": [0.51], "base_mean": 0.5},
+                           "grpo": {"final": [0.6], "base_mean": 0.5}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md = "\n".join(gap.law_section(str(tmp_path), table))
+    assert (tmp_path / "law.png").stat().st_size > 0
+    assert table["predictive_law"]["pairs"] == 8 and table["predictive_law_without_lopd"]["pairs"] == 5
+    rest = [(0.1, 0.05), (0.1, 0.06), (0.05, 0.025), (0.2, 0.1), (0.02, 0.01)]   # (gap, gain) of the non-LOPD runs
+    assert table["predictive_law_without_lopd"]["slope"][0] == pytest.approx(gap.ols(*zip(*rest))[0])
+    assert "| opsd-other | opsd-donor | +0.020 | +0.010 | 1 |" in md and "| lopd-phase | lopd | +0.300 | +0.400 | 1 |" in md
+    assert "| lopd | lopd | +0.300 | +0.425 | 2 |" in md and "grpo" not in md.split("| entry |")[1]
+    assert gap.law_section(str(tmp_path / "nowhere"), table) == []
