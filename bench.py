@@ -7,7 +7,8 @@
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
 output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed
 from their ckpt.pt, so a rerun only does what is missing. Seed 0 is the validation seed:
---tune picks each method's learning rate or knob on it, and the compare reports seeds >= 1 only, with the
+--tune picks each method's learning rate or knob on it (a winner is run again beside the default on seed
+100, the second validation seed, and kept only if it still wins), and the compare reports seeds >= 1 only, with the
 tuned flags when tuning.json exists (--no_tuned ignores it). Any other `--flag value` or
 `--set key=value` goes to train.py for every run. Run names carry the budget and a hash of
 the flags beyond the entry's own, so quick, full and tuned runs never collide.
@@ -53,7 +54,7 @@ QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
 QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
 # --tune: the same grid for every method, its learning rate ×1/3, ×1, ×3 and one other setting of its key
 # knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
-# noise (report.write_tuning). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
+# noise on seed 0 and again on CONFIRM_SEED (report.choose_setting). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
 def tuning_grid(name, m):
     """[default, lr / 3, lr × 3, the knob's other setting] (each a list of train.py flags)."""
     lr = lambda x: ['--lr', f'{x:.0e}'.replace('e-0', 'e-')]  # 1e-3 / 3 -> 3e-4
@@ -62,6 +63,7 @@ def tuning_grid(name, m):
 
 
 TUNE = {name: tuning_grid(name, m) for name, m in methods.METHODS.items()}
+CONFIRM_SEED = 100  # the second validation seed, where a setting that beat the default on seed 0 runs again beside it
 # seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
 COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
 OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
@@ -241,7 +243,7 @@ def parse(argv):
     p.add_argument('--quick', action='store_true',
                    help=f"{' '.join(QUICK_FLAGS)}, {len(QUICK_ENTRIES)} entries, in compare-<env>-quick/")
     p.add_argument('--tune', action='store_true', help='per method, lr ×1/3, ×1, ×3 and one other setting of its key '
-                   'knob on seed 0 -> tuning.json (used by compares)')
+                   'knob on seed 0, the winner confirmed on seed 100 -> tuning.json (used by compares)')
     p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
                    'training, overall and on opaque families -> teacher_gap.md')
     p.add_argument('--gap_tasks', type=int, default=200, help='held-out tasks of the --teacher_gap report')
@@ -274,8 +276,8 @@ def parse(argv):
         o.seeds = [int(s) for s in (o.seeds or '1,2,3').split(',')]
     except ValueError:
         die(f'--seeds {o.seeds!r}: expected comma-separated integers')
-    if 0 in o.seeds or min(o.seeds) < 0:
-        die('--seeds must be >= 1: seed 0 is the tuning (validation) seed and is not reported')
+    if {0, CONFIRM_SEED} & set(o.seeds) or min(o.seeds) < 0:
+        die(f'--seeds must be >= 1 and not {CONFIRM_SEED}: seeds 0 and {CONFIRM_SEED} are the tuning (validation) seeds, never reported')
     if o.tune and not set(o.entries) & set(TUNE):
         die(f"--tune: none of {', '.join(o.entries)} has a grid (methods: {', '.join(TUNE)})")
     o.extras = (QUICK_FLAGS if o.quick else []) + extras  # the user's flags come last, so they win
@@ -319,12 +321,19 @@ def main(argv=None):
     if o.tune:
         grid = {}
         for r in runs:
-            s, _, evs = report.load_run(os.path.join(out_dir, r['name']))
-            done = s and s.get('episodes', 0) >= r['budget'] and evs and evs[-1].get('task_reward')
-            grid.setdefault(r['entry'], []).append({'setting': r['setting'], 'name': r['name'],
-                                                    'final_reward': s['final_reward'] if done else None,
-                                                    'final_success': s['final_success'] if done else None,
-                                                    'task_reward': evs[-1]['task_reward'] if done else None})
+            grid.setdefault(r['entry'], []).append({'setting': r['setting'], **tune_result(out_dir, r)})
+        # a setting that beats the default on seed 0 is run again, beside the default, on a second validation seed:
+        # the noise over one seed's tasks is smaller than the noise between seeds (report.choose_setting)
+        moved = {e: (settings[0], best) for e, settings in grid.items()
+                 for best in [report.choose_setting(settings)[0]] if best and best is not settings[0]}
+        confirm = [plan('tune', e, ENTRIES[e] + s['setting'], s['setting'] + o.extras + ENTRIES[e], o.env, CONFIRM_SEED,
+                        '-' + ''.join(x.lstrip('-') for x in s['setting']) if s['setting'] else '-default') | {'setting': s}
+                   for e, pair in moved.items() for s in pair]
+        launched2, failed2 = run_all(confirm, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
+        for r in confirm:
+            r['setting']['confirm'] = tune_result(out_dir, r)
+        runs, launched, failed = runs + confirm, launched + launched2, failed + failed2
+        meta |= {'failed': failed, 'wall_s': round(time.time() - t0), 'confirm_seed': CONFIRM_SEED}
         report.write_tuning(cmp_dir, grid, meta)
         table = os.path.join(cmp_dir, 'tuning.md')
     else:
@@ -339,6 +348,14 @@ def main(argv=None):
     print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
           f'table in {os.path.relpath(table)}')
     sys.exit(1 if failed else 0)
+
+
+def tune_result(out_dir, r):
+    """A tuning run's final reward and success and its last evaluation's per-task rewards (None if unfinished)."""
+    s, _, evs = report.load_run(os.path.join(out_dir, r['name']))
+    done = s and s.get('episodes', 0) >= r['budget'] and evs and evs[-1].get('task_reward')
+    return {'name': r['name'], 'final_reward': s['final_reward'] if done else None,
+            'final_success': s['final_success'] if done else None, 'task_reward': evs[-1]['task_reward'] if done else None}
 
 
 def machine():

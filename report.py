@@ -341,33 +341,54 @@ def plot_curves(path, results, target):
 
 
 def choose_setting(settings):
-    """The tuning rule, the same for every method: the default (settings[0]) is kept unless another
-    setting's final reward beats it on the same held-out tasks with a 95% bootstrap interval of the
-    paired gain above 0 (on one seed, a few points is noise); of those, the largest mean gain.
-    -> (chosen setting or None if the default did not finish, {setting index: (gain, lo, hi)})."""
+    """The tuning rule, the same for every method: on seed 0, the setting whose final reward beats the
+    default (settings[0]) by the most, on the same held-out tasks, with a 95% bootstrap interval of the
+    paired gain above 0; it is chosen only if, run again beside the default on a second validation seed
+    ('confirm'), its paired gain over both seeds (two-level bootstrap) still has its interval above 0:
+    one seed's tasks do not see the noise between seeds. Before the second seed has run, or if it failed,
+    the seed-0 winner is returned unconfirmed.
+    -> (chosen setting or None if the default did not finish, {setting index: seed-0 (gain, lo, hi)},
+        the winner's (gain, lo, hi) over both seeds or None)."""
     default = settings[0]
     if default['task_reward'] is None:
-        return None, {}
-    gains = {i: bootstrap_ci([np.subtract(s['task_reward'], default['task_reward'])])
-             for i, s in enumerate(settings) if i and s['task_reward'] is not None}
+        return None, {}, None
+    diff = lambda s, d: np.subtract(s['task_reward'], d['task_reward'])
+    gains = {i: bootstrap_ci([diff(s, default)]) for i, s in enumerate(settings) if i and s['task_reward'] is not None}
     better = [i for i, (_, lo, _) in gains.items() if lo > 0]
-    return settings[max(better, key=lambda i: gains[i][0])] if better else default, gains
+    if not better:
+        return default, gains, None
+    best = settings[max(better, key=lambda i: gains[i][0])]
+    c, d = best.get('confirm'), default.get('confirm')
+    if not (c and d and c['task_reward'] and d['task_reward']):
+        return best, gains, None
+    both = bootstrap_ci([diff(best, default), diff(c, d)])
+    return (best if both[1] > 0 else default), gains, both
 
 
 def write_tuning(cmp_dir, grid, meta):
-    """Per entry, the setting choose_setting picks on seed 0 -> tuning.json (merged with earlier tunings) + tuning.md."""
+    """Per entry, the setting choose_setting picks (seed 0, then the confirmation seed) -> tuning.json
+    (merged with earlier tunings) + tuning.md."""
     path = os.path.join(cmp_dir, 'tuning.json')
     tuning = (read_json(path) or {}) | {'meta': meta}
-    md = ['# Tuning on seed 0 (validation seed, not reported)', '',
-          "The default is kept unless a setting's gain over it, paired on the same held-out tasks, has a 95% "
-          'bootstrap interval above 0.', '', '| entry | setting | final reward | success | gain over the default | chosen |',
-          '|---|---|---|---|---|---|']
+    seed = meta.get('confirm_seed', 'the second validation seed')
+    md = ['# Tuning on the validation seeds (never reported)', '',
+          "On seed 0, every setting of the grid; the setting that beats the default by the most with a 95% paired "
+          f"bootstrap interval above 0 is run again beside the default on seed {seed}, and chosen only if its gain "
+          "over both seeds (two-level bootstrap: seeds, then tasks) keeps its interval above 0. Otherwise the default stays.",
+          '', f'| entry | setting | final reward, seed 0 | success, seed 0 | gain over the default, seed 0 | '
+          f'final reward, seed {seed} | gain over the default, both seeds | chosen |', '|---|---|---|---|---|---|---|---|']
+    iv = lambda g: '{:+.3f} [{:+.3f}, {:+.3f}]'.format(*g)
     for e, settings in grid.items():
-        best, gains = choose_setting(settings)
+        best, gains, both = choose_setting(settings)
         tuning[e] = {'flags': best['setting'] if best else [], 'final_reward': best and best['final_reward'],
-                     'grid': [{k: v for k, v in s.items() if k != 'task_reward'} for s in settings]}
+                     'both_seeds': both,
+                     'grid': [{k: v for k, v in s.items() if k != 'task_reward'} | (
+                         {'confirm': {k: v for k, v in s['confirm'].items() if k != 'task_reward'}} if s.get('confirm') else {})
+                         for s in settings]}
+        winner = max((i for i, g in gains.items() if g[1] > 0), key=lambda i: gains[i][0], default=None)
         md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_reward'])} | {fmt(s['final_success'])} | "
-               f"{'{:+.3f} [{:+.3f}, {:+.3f}]'.format(*gains[i]) if i in gains else ''} | {'✓' if s is best else ''} |"
+               f"{iv(gains[i]) if i in gains else ''} | {fmt((s.get('confirm') or {}).get('final_reward')) if s.get('confirm') else ''} | "
+               f"{iv(both) if both and i == winner else ''} | {'✓' if s is best else ''} |"
                for i, s in enumerate(settings)]
     with open(path, 'w') as f:
         json.dump(tuning, f, indent=1)

@@ -166,9 +166,10 @@ def test_finished_runs_are_reused_and_unfinished_resumed(tmp_path, monkeypatch):
 
 
 def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypatch):
-    """Every method: lr ×1/3, ×1, ×3 and its knob. lopd: lr 9e-4 beats the default on every task (chosen);
-    grpo: its knob (--batch 32) is 3 points better on average but task by task within the noise, so the
-    default is kept, as it is on a tie."""
+    """Every method: lr ×1/3, ×1, ×3 and its knob on seed 0. lopd: lr 9e-4 beats the default on every task,
+    on seed 0 and again on the confirmation seed (chosen); grpo: its knob (--batch 32) is 3 points better on
+    average but task by task within the noise, and lr 3e-5 beats the default on seed 0 but loses as much on
+    the confirmation seed, so the default is kept."""
     out, calls = str(tmp_path), []
     assert bench.TUNE["lopd"] == [[], ["--lr", "1e-4"], ["--lr", "9e-4"], ["--cold_start_steps", "300"]]
     assert bench.TUNE["grpo"] == [[], ["--lr", "3e-5"], ["--lr", "3e-4"], ["--batch", "32"]]
@@ -180,22 +181,28 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
         tasks = [0.0, 1.0] * 50                                       # the default: 0.5
         if "lopd" in name and "lr9e-4" in name:
             tasks = [0.2, 1.0] * 50                                   # +0.2 on half the tasks, never worse
+        if "grpo" in name and "lr3e-5" in name:
+            tasks = [0.1, 1.0] * 50 if name.endswith("-s0") else [0.0, 0.9] * 50  # +0.05 on seed 0, -0.05 on 100
         if "grpo" in name and "batch32" in name:
             tasks = [1.0, 0.0] * 50                                   # as often better as worse ...
             tasks[:6] = [1.0] * 6                                     # ... and 0.03 better on average
-        fake_run(f"{out}/{name}", "x", int(name[-1]), [0, 32, 64], [0.5, 0.6, float(np.mean(tasks))], tasks=tasks)
+        fake_run(f"{out}/{name}", "x", int(name.rsplit("-s", 1)[1]), [0, 32, 64], [0.5, 0.6, float(np.mean(tasks))], tasks=tasks)
         return 0
 
     monkeypatch.setattr(bench, "launch", launch)
     with pytest.raises(SystemExit):
         bench.main(["--tune", "--methods", "lopd,grpo,lopd-m0", "--out_dir", out, "--episodes", "64"])
-    assert len(calls) == 8 and all(c[c.index("--seed") + 1] == "0" for c in calls)  # 4 settings each, seed 0
-    assert "tune-lopd-tooluse-e64-lr9e-4-s0" in [c[c.index("--name") + 1] for c in calls]
+    seeds = [c[c.index("--seed") + 1] for c in calls]
+    assert len(calls) == 12 and seeds[:8] == ["0"] * 8 and seeds[8:] == ["100"] * 4  # 4 settings each; 2 winners × 2
+    names = [c[c.index("--name") + 1] for c in calls]
+    assert {"tune-lopd-tooluse-e64-lr9e-4-s100", "tune-lopd-tooluse-e64-default-s100", "tune-grpo-tooluse-e64-lr3e-5-s100"} <= set(names)
     tuning = json.load(open(f"{out}/compare-tooluse/tuning.json"))
     assert tuning["lopd"]["flags"] == ["--lr", "9e-4"] and tuning["lopd"]["final_reward"] == pytest.approx(0.6)
-    assert tuning["grpo"]["flags"] == [] and [s["final_reward"] for s in tuning["grpo"]["grid"]] == pytest.approx([0.5, 0.5, 0.5, 0.53])
+    assert tuning["lopd"]["both_seeds"][1] > 0 and tuning["grpo"]["both_seeds"][1] < 0 < tuning["grpo"]["both_seeds"][2]
+    assert tuning["grpo"]["flags"] == [] and [s["final_reward"] for s in tuning["grpo"]["grid"]] == pytest.approx([0.5, 0.55, 0.5, 0.53])
+    assert tuning["grpo"]["grid"][1]["confirm"]["final_reward"] == pytest.approx(0.45)
     md = open(f"{out}/compare-tooluse/tuning.md").read()
-    assert md.count("✓") == 2 and "| +0.100 [+0.0" in md and "| +0.030 [-0." in md
+    assert md.count("✓") == 2 and "| +0.100 [+0.0" in md and "| +0.030 [-0." in md and "| +0.000 [-0.0" in md
     calls.clear()
     with pytest.raises(SystemExit):
         bench.main(["--methods", "lopd,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
@@ -209,7 +216,8 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
 @pytest.mark.parametrize("argv,words", [
     (["--methods", "lopd,nope"], ["--methods", "nope"]),
     (["--teacher_gap", "--methods", "nope"], ["--methods", "nope", "lopd-copy", "trajtext-expert"]),  # its extra rows listed
-    (["--seeds", "0,1"], ["--seeds", "seed 0"]),
+    (["--seeds", "0,1"], ["--seeds", "seeds 0 and 100"]),
+    (["--seeds", "1,100"], ["--seeds", "validation"]),   # the confirmation seed of --tune is not reported either
     (["--seed", "3"], ["--seed"]),
     (["--set", "lr"], ["--set", "lr"]),
     (["--methods", "grpo", "--batch", "6"], ["--batch", "6"]),   # train.py's own check, before any run
