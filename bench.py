@@ -305,9 +305,7 @@ def main(argv=None):
         return
     if o.tune:
         entries = [e for e in o.entries if e in TUNE]
-        runs = [plan('tune', e, ENTRIES[e] + s, s + o.extras + ENTRIES[e], o.env, 0,
-                     '-' + ''.join(x.lstrip('-') for x in s) if s else '-default') | {'setting': s}
-                for e in entries for s in TUNE[e]]
+        runs = [tune_plan(e, s, o, 0) | {'setting': s} for e in entries for s in TUNE[e]]
     else:
         # an entry's own flags come last, so that an ablation holds whatever was tuned or forwarded
         tuned_flags = {e: (tuned.get(e) or tuned.get(method_of(e)) or {}).get('flags', []) for e in o.entries}
@@ -326,9 +324,7 @@ def main(argv=None):
         # the noise over one seed's tasks is smaller than the noise between seeds (report.choose_setting)
         moved = {e: (settings[0], best) for e, settings in grid.items()
                  for best in [report.choose_setting(settings)[0]] if best and best is not settings[0]}
-        confirm = [plan('tune', e, ENTRIES[e] + s['setting'], s['setting'] + o.extras + ENTRIES[e], o.env, CONFIRM_SEED,
-                        '-' + ''.join(x.lstrip('-') for x in s['setting']) if s['setting'] else '-default') | {'setting': s}
-                   for e, pair in moved.items() for s in pair]
+        confirm = [tune_plan(e, s['setting'], o, CONFIRM_SEED) | {'setting': s} for e, pair in moved.items() for s in pair]
         launched2, failed2 = run_all(confirm, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
         for r in confirm:
             r['setting']['confirm'] = tune_result(out_dir, r)
@@ -348,6 +344,12 @@ def main(argv=None):
     print(f'bench: {len(runs)} runs ({len(launched)} launched, {len(failed)} failed) in {time.time() - t0:.0f}s; '
           f'table in {os.path.relpath(table)}')
     sys.exit(1 if failed else 0)
+
+
+def tune_plan(entry, setting, o, seed):
+    """One tuning run: the entry with one setting of its grid (flags), named after the setting."""
+    label = '-' + ''.join(x.lstrip('-') for x in setting) if setting else '-default'
+    return plan('tune', entry, ENTRIES[entry] + setting, setting + o.extras + ENTRIES[entry], o.env, seed, label)
 
 
 def tune_result(out_dir, r):

@@ -279,9 +279,10 @@ def plot_law(path, points, law, res):
     (b, _, _), (a, _, _), (r2, _, _) = law['slope'], law['intercept'], law['r2']
     ax.plot(xs, a + b * xs, 'k-', lw=1, label=f'OLS: gain = {a:+.3f} + {b:.2f} · gap (R² {fmt(r2, ".2f")})')
     for e, r in res['entries'].items():
-        if r and e not in points and methods.METHODS.get(bench.method_of(e)) and methods.METHODS[bench.method_of(e)].teacher == 'none':
-            ax.axhline(np.mean(r['final']) - r['base_mean'], ls=':', lw=1, color='gray')
-            ax.annotate(f'{e} (no teacher)', (xs[0], np.mean(r['final']) - r['base_mean']), fontsize=7, color='gray')
+        if r and e in bench.ENTRIES and methods.METHODS[bench.method_of(e)].teacher == 'none':
+            gain = np.mean(r['final']) - r['base_mean']
+            ax.axhline(gain, ls=':', lw=1, color='gray')
+            ax.annotate(f'{e} (no teacher)', (xs[0], gain), fontsize=7, color='gray')
     ax.scatter([], [], color='tab:red', label="LOPD's entries")
     ax.scatter([], [], color='tab:blue', label='the other entries (controls on their control rows)')
     ax.set(xlabel="teacher's step-0 gap over its student (held-out reward, greedy)",

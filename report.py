@@ -385,10 +385,9 @@ def write_tuning(cmp_dir, grid, meta):
                      'grid': [{k: v for k, v in s.items() if k != 'task_reward'} | (
                          {'confirm': {k: v for k, v in s['confirm'].items() if k != 'task_reward'}} if s.get('confirm') else {})
                          for s in settings]}
-        winner = max((i for i, g in gains.items() if g[1] > 0), key=lambda i: gains[i][0], default=None)
         md += [f"| {e} | `{' '.join(s['setting']) or 'default'}` | {fmt(s['final_reward'])} | {fmt(s['final_success'])} | "
                f"{iv(gains[i]) if i in gains else ''} | {fmt((s.get('confirm') or {}).get('final_reward')) if s.get('confirm') else ''} | "
-               f"{iv(both) if both and i == winner else ''} | {'✓' if s is best else ''} |"
+               f"{iv(both) if both and i and s.get('confirm') else ''} | {'✓' if s is best else ''} |"
                for i, s in enumerate(settings)]
     with open(path, 'w') as f:
         json.dump(tuning, f, indent=1)
