@@ -247,6 +247,8 @@ def parse(argv):
     p.add_argument('--teacher_gap', action='store_true', help="every teacher's and its student's success before "
                    'training, overall and on opaque families -> teacher_gap.md')
     p.add_argument('--gap_tasks', type=int, default=200, help='held-out tasks of the --teacher_gap report')
+    p.add_argument('--gap_seed', type=int, default=0, help="the seed whose setup the report's teachers are built "
+                   "from (LOPD's cold start, OPSD's pool); with OMP_NUM_THREADS=1 a compare's seed's cached setups are reused")
     p.add_argument('--no_tuned', action='store_true', help="ignore tuning.json's chosen flags")
     p.add_argument('--out_dir', default='runs', help='where the runs, the warm-up cache and compare-<env>/ go')
     p.add_argument('--jobs', type=int, default=2, help='runs at a time (one core each on a 2-core machine)')

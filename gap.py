@@ -172,8 +172,10 @@ def teacher_gap(o, out_dir, cmp_dir):
     entries.update({k: v for k, v in GAP_EXTRA.items() if not o.methods or k in o.entries})
     for entry, own in entries.items():
         m = own[own.index('--method') + 1]
-        flags = bench.for_method(o.extras, m) + own + ['--env', o.env, '--out_dir', out_dir, '--name', f'gap-{entry}-{o.env}',
-                                                   '--overwrite', '--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0']
+        # forwarded --eval_tasks / --teacher_eval win over the report's: they are part of a setup's cache key,
+        # so a compare's own values (and its one thread per run) reuse its seed's cached setups
+        flags = (['--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0'] + bench.for_method(o.extras, m) + own
+                 + ['--env', o.env, '--out_dir', out_dir, '--name', f'gap-{entry}-{o.env}', '--overwrite', '--seed', str(o.gap_seed)])
         args = bench.train_args(flags)
         bookkeeping.claim_run_dir(os.path.join(out_dir, args.name), True)
         run = train.build(args)

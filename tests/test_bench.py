@@ -523,3 +523,22 @@ def test_law_section_fits_without_lopd_and_lists_every_entry(tmp_path):
     assert "| opsd-other | opsd-donor | +0.020 | +0.010 | 1 |" in md and "| lopd-phase | lopd | +0.300 | +0.400 | 1 |" in md
     assert "| lopd | lopd | +0.300 | +0.425 | 2 |" in md and "grpo" not in md.split("| entry |")[1]
     assert gap.law_section(str(tmp_path / "nowhere"), table) == []
+
+
+def test_teacher_gap_builds_its_teachers_at_gap_seed_with_the_forwarded_setup_flags(tmp_path, monkeypatch):
+    """--gap_seed S builds every teacher at seed S, and a forwarded --eval_tasks / --teacher_eval
+    wins over the report's own (both are part of a setup's cache key: a compare's values reuse
+    its cached setups); without them the report evaluates --gap_tasks tasks and no teacher."""
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def build(args):
+        seen.append((args.seed, args.eval_tasks, args.teacher_eval))
+        raise Built
+    monkeypatch.setattr(train, "build", build)
+    for extra, want in [([], (0, 12, 0)), (["--gap_seed", "2", "--eval_tasks", "40", "--teacher_eval", "20"], (2, 40, 20))]:
+        with pytest.raises(Built):
+            bench.main(["--teacher_gap", "--methods", "opsd", "--gap_tasks", "12", "--out_dir", str(tmp_path), *extra])
+        assert seen.pop() == want
