@@ -317,7 +317,8 @@ def main(argv=None):
     launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
     command = 'python bench.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
     meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
-            'commit': commit, 'code': train_code(), 'failed': failed, **machine(), 'wall_s': round(time.time() - t0)}
+            'commit': commit, 'code': train_code(), 'failed': failed, **machine(), 'wall_s': round(time.time() - t0),
+            'runs': len(runs), 'launched': len(launched)}
     if o.tune:
         grid = {}
         for r in runs:

@@ -108,6 +108,9 @@ def summarize(run_dirs, budget):
             # student of the first evaluation, on the same tasks
             'teacher_without_context': mean_of([ev[0].get('student_reward_same_tasks') for _, _, ev in runs])}
     row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
+    # per seed, the base's and the last evaluation's per-task rewards: entries are compared on the same tasks
+    row['task_reward'] = {str(s.get('seed')): {'base': ev[0].get('task_reward'), 'final': ev[-1].get('task_reward')}
+                          for s, _, ev in runs}
     # per seed, every evaluation's diagnostics: β, Δ, anchor, family hit over time (for a notebook)
     keys = ['episodes', 'training_episodes', 'reward', 'success', 'teacher_reward', 'student_reward_same_tasks', 'beta', 'delta',
             'anchor', 'family_hit', 'phi_grad_kl', 'phi_grad_margin', 'phi_grad_anchor']
@@ -177,6 +180,12 @@ def final(r):
     return ci(r, 'reward') if r.get('ci', {}).get('reward') else f"{r['final_mean']:.3f} ± {r['final_std']:.3f}"
 
 
+def launched(meta):
+    """', N of M runs made by this command' where it reused finished runs (their seconds are not in its time)."""
+    n, m = meta.get('launched'), meta.get('runs')
+    return '' if n is None or n == m else f' ({n} of its {m} runs made by this command, the others reused)'
+
+
 def write_results(cmp_dir, results, meta, target):
     results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
     with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
@@ -189,7 +198,7 @@ def write_results(cmp_dir, results, meta, target):
     md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}), {meta.get('date', '?')}, "
           f"{meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
-          f"{meta.get('wall_s', '?')} s in all; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"{meta.get('wall_s', '?')} s in all{launched(meta)}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
           f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
           f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
@@ -214,6 +223,7 @@ def write_results(cmp_dir, results, meta, target):
             'anchor_mean', 'family_hit_mean']
     md += [f"| {e} | " + ' | '.join(fmt(r['diagnostics'].get(k)) for k in keys) + ' |'
            for e, r in results.items() if r and r['diagnostics']]
+    md += paired_table(results)
     md += forgetting_table(results)
     md += actions_table(results)
     if meta['failed']:
@@ -237,6 +247,29 @@ def forgetting_table(results, solved=0.8):
           '| family | base | ' + ' | '.join(names) + ' |', '|---|---|' + '---|' * len(names)]
     return md + [f'| {f} | {base[f]:.2f} | ' + ' | '.join(fmt(results[e]['family_final'].get(f), '.2f') for e in names) + ' |'
                  for f in fams]
+
+
+def paired(a, b):
+    """The mean of a − b over the seeds both have, on the same held-out tasks, with bootstrap_ci's
+    interval; a and b are {seed: per-task rewards}. -> (mean, lo, hi) or None (no common seed)."""
+    seeds = [k for k in a if a[k] and b.get(k) and len(a[k]) == len(b[k])]
+    return bootstrap_ci([np.subtract(a[k], b[k]) for k in seeds]) if seeds else None
+
+
+def paired_table(results, ref='lopd'):
+    """Each entry's gain over its base and `ref` − the entry, paired on the same tasks and seeds: the
+    seeds share most of their noise (the tasks, the base), so a paired interval decides what two
+    unpaired ones do not."""
+    rows = {e: r['task_reward'] for e, r in results.items() if r and r.get('task_reward')}
+    if not rows:
+        return []
+    final = lambda e: {k: v['final'] for k, v in rows[e].items()}
+    pm = lambda c: '—' if c is None else f'{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]'
+    md = ['', f'Paired on the same held-out tasks and seeds (95% two-level bootstrap of the per-task differences; '
+          f'an interval without 0 decides): each entry\'s final reward − its base\'s, and {ref} − the entry:', '',
+          f'| entry | gain over the base | {ref} − entry |', '|---|---|---|']
+    return md + [f"| {e} | {pm(paired(final(e), {k: v['base'] for k, v in t.items()}))} | "
+                 f"{'' if e == ref or ref not in rows else pm(paired(final(ref), final(e)))} |" for e, t in rows.items()]
 
 
 SHAPE = ('repeated', 'actions_per_episode', 'chars_per_action')  # action_stats' keys that are not an action type

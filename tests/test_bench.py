@@ -542,3 +542,18 @@ def test_teacher_gap_builds_its_teachers_at_gap_seed_with_the_forwarded_setup_fl
         with pytest.raises(Built):
             bench.main(["--teacher_gap", "--methods", "opsd", "--gap_tasks", "12", "--out_dir", str(tmp_path), *extra])
         assert seen.pop() == want
+
+
+def test_paired_table_differences_on_common_seeds_and_tasks():
+    """The paired table subtracts per task within a seed, over the seeds both entries have: by hand,
+    lopd gains (2 + 1) / 8 over its base, and lopd − grpo is 1/4 on seed 1, the only common seed."""
+    assert report.paired({"1": [1, 1]}, {"1": [0, 0]}) == (1.0, 1.0, 1.0)  # a constant difference: no spread
+    assert report.paired({"1": [1, 1]}, {"2": [0, 0]}) is None
+    res = {"lopd": {"task_reward": {"1": {"base": [0, 0, 1, 1], "final": [1, 1, 1, 1]},
+                                    "2": {"base": [0, 0, 1, 1], "final": [1, 0, 1, 1]}}},
+           "grpo": {"task_reward": {"1": {"base": [0, 0, 1, 1], "final": [0, 1, 1, 1]},
+                                    "3": {"base": [0, 0, 1, 1], "final": [0, 0, 0, 0]}}},
+           "sdpo": None}
+    md = "\n".join(report.paired_table(res))
+    assert "| lopd | +0.375 [" in md and "| grpo | -0.125 [" in md and "+0.250 [+0.000, +0.750] |" in md
+    assert report.paired({"1": [1, 1, 1, 1], "2": [1, 0, 1, 1]}, {"1": [0, 0, 1, 1], "2": [0, 0, 1, 1]})[0] == 0.375
