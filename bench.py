@@ -303,7 +303,8 @@ def main(argv=None):
         return print(f'bench: {len(rows)} curves in {o.png}')
     if o.teacher_gap:
         o.argv = sys.argv[1:] if argv is None else argv
-        print(f'bench: teacher gap in {time.time() - t0:.0f}s; table in {os.path.relpath(gap.teacher_gap(o, out_dir, cmp_dir))}')
+        table = gap.teacher_gap(o, out_dir, cmp_dir)  # before the f-string reads the clock
+        print(f'bench: teacher gap in {time.time() - t0:.0f}s; table in {os.path.relpath(table)}')
         return
     if o.tune:
         entries = [e for e in o.entries if e in TUNE]
