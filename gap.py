@@ -277,7 +277,8 @@ def plot_law(path, points, law, res):
         right = i % 2 == 0  # labels alternate sides: entries that share a gap share an x
         ax.annotate(e, (x, np.mean(ys)), fontsize=7, xytext=(3 if right else -3, 2), textcoords='offset points',
                     ha='left' if right else 'right')
-    xs = np.linspace(0, max(x for _, x, _ in points.values()) * 1.05, 2)
+    gaps = [x for _, x, _ in points.values()]
+    xs = np.array([min(0, min(gaps)), max(gaps)]) * 1.05  # every gap, negative ones too (a donor's context can hurt)
     (b, _, _), (a, _, _), (r2, _, _) = law['slope'], law['intercept'], law['r2']
     ax.plot(xs, a + b * xs, 'k-', lw=1, label=f'OLS: gain = {a:+.3f} + {b:.2f} · gap (R² {fmt(r2, ".2f")})')
     for e, r in res['entries'].items():
