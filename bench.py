@@ -333,7 +333,8 @@ def main(argv=None):
         for r in confirm:
             r['setting']['confirm'] = tune_result(out_dir, r)
         runs, launched, failed = runs + confirm, launched + launched2, failed + failed2
-        meta |= {'failed': failed, 'wall_s': round(time.time() - t0), 'confirm_seed': CONFIRM_SEED}
+        meta |= {'failed': failed, 'wall_s': round(time.time() - t0), 'confirm_seed': CONFIRM_SEED,
+                 'runs': len(runs), 'launched': len(launched)}
         report.write_tuning(cmp_dir, grid, meta)
         table = os.path.join(cmp_dir, 'tuning.md')
     else:

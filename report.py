@@ -408,6 +408,9 @@ def write_tuning(cmp_dir, grid, meta):
           "On seed 0, every setting of the grid; the setting that beats the default by the most with a 95% paired "
           f"bootstrap interval above 0 is run again beside the default on seed {seed}, and chosen only if its gain "
           "over both seeds (two-level bootstrap: seeds, then tasks) keeps its interval above 0. Otherwise the default stays.",
+          '', f"`{meta.get('command', '?')}` at commit {meta.get('commit', '?')} (train.CODE {meta.get('code', '?')}), "
+          f"{meta.get('date', '?')}, {meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers "
+          f"{meta.get('transformers', '?')}, {meta.get('wall_s', '?')} s in all{launched(meta)}.",
           '', f'| entry | setting | final reward, seed 0 | success, seed 0 | gain over the default, seed 0 | '
           f'final reward, seed {seed} | gain over the default, both seeds | chosen |', '|---|---|---|---|---|---|---|---|']
     iv = lambda g: '{:+.3f} [{:+.3f}, {:+.3f}]'.format(*g)
