@@ -180,7 +180,7 @@ def final(r):
     return ci(r, 'reward') if r.get('ci', {}).get('reward') else f"{r['final_mean']:.3f} ± {r['final_std']:.3f}"
 
 
-def launched(meta):
+def reused_note(meta):
     """', N of M runs made by this command' where it reused finished runs (their seconds are not in its time)."""
     n, m = meta.get('launched'), meta.get('runs')
     return '' if n is None or n == m else f' ({n} of its {m} runs made by this command, the others reused)'
@@ -198,7 +198,7 @@ def write_results(cmp_dir, results, meta, target):
     md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}), {meta.get('date', '?')}, "
           f"{meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
-          f"{meta.get('wall_s', '?')} s in all{launched(meta)}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
+          f"{meta.get('wall_s', '?')} s in all{reused_note(meta)}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
           f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
           f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
@@ -385,8 +385,8 @@ def choose_setting(settings):
     default = settings[0]
     if default['task_reward'] is None:
         return None, {}, None
-    diff = lambda s, d: np.subtract(s['task_reward'], d['task_reward'])
-    gains = {i: bootstrap_ci([diff(s, default)]) for i, s in enumerate(settings) if i and s['task_reward'] is not None}
+    on = lambda *runs: {str(k): r['task_reward'] for k, r in enumerate(runs)}  # paired's {seed: per-task rewards}
+    gains = {i: paired(on(s), on(default)) for i, s in enumerate(settings) if i and s['task_reward'] is not None}
     better = [i for i, (_, lo, _) in gains.items() if lo > 0]
     if not better:
         return default, gains, None
@@ -394,7 +394,7 @@ def choose_setting(settings):
     c, d = best.get('confirm'), default.get('confirm')
     if not (c and d and c['task_reward'] and d['task_reward']):
         return best, gains, None
-    both = bootstrap_ci([diff(best, default), diff(c, d)])
+    both = paired(on(best, c), on(default, d))
     return (best if both[1] > 0 else default), gains, both
 
 
@@ -410,7 +410,7 @@ def write_tuning(cmp_dir, grid, meta):
           "over both seeds (two-level bootstrap: seeds, then tasks) keeps its interval above 0. Otherwise the default stays.",
           '', f"`{meta.get('command', '?')}` at commit {meta.get('commit', '?')} (train.CODE {meta.get('code', '?')}), "
           f"{meta.get('date', '?')}, {meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers "
-          f"{meta.get('transformers', '?')}, {meta.get('wall_s', '?')} s in all{launched(meta)}.",
+          f"{meta.get('transformers', '?')}, {meta.get('wall_s', '?')} s in all{reused_note(meta)}.",
           '', f'| entry | setting | final reward, seed 0 | success, seed 0 | gain over the default, seed 0 | '
           f'final reward, seed {seed} | gain over the default, both seeds | chosen |', '|---|---|---|---|---|---|---|---|']
     iv = lambda g: '{:+.3f} [{:+.3f}, {:+.3f}]'.format(*g)
