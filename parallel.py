@@ -52,6 +52,14 @@ def init_distributed(device):
         sys.stdout = open(os.devnull, 'w')
 
 
+def finish():
+    """The ranks leave torchrun's process group together: a rank that exits while gloo's threads still
+    hold the group can abort ('terminate called without an active exception') and take the others down."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def rank0_first():
     """Rank 0 runs the block first (it builds a cache), then the others (they read it)."""
@@ -96,7 +104,8 @@ def check_in_sync(run):
     """Every rank took the same updates: their trained weights agree (a cheap checksum), else stop."""
     if world()[1] == 1:
         return
-    total = torch.tensor([float(sum(p.double().sum() for p in run.model.parameters() if p.requires_grad))], device=run.device)
+    with torch.no_grad():
+        total = torch.tensor([float(sum(p.double().sum() for p in run.model.parameters() if p.requires_grad))], device=run.device)
     every = [torch.zeros(1, dtype=total.dtype) for _ in range(world()[1])]
     dist.all_gather(every, total)
     if any(e.item() != every[0].item() for e in every):

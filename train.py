@@ -403,6 +403,7 @@ def main(argv=None):
                 evaluate(run)
         bk.save_checkpoint(run)
         bk.plot(run)
+    parallel.finish()
     if guard.now:
         print(f'interrupted at step {run.step}; checkpoint saved; continue with --resume {run.dir}')
         sys.exit(130)
