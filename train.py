@@ -27,6 +27,7 @@ learned offline and toy environments stand in for a 4B model and EnvScaler.
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -61,6 +62,8 @@ class Args:
     setup_free: bool = arg(False, "the paper's accounting: the episodes a method's setup samples (LOPD's bank, the pool, "
                            "ACSD's first vector) do not count toward --episodes", after_setup=True, group=RUN)
     batch: int = arg(16, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
+    temperature: float = arg(1.0, 'sampling temperature of the training rollouts (the paper samples at 0.7)', lo=0,
+                             open_lo=True, after_setup=True, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
     eval_every: int = arg(64, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
     eval_tasks: int = arg(500, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
@@ -245,8 +248,9 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, rollout) if m.sample else
-                                       rollout(run.model, run.tok, run.env, ts), tasks)
+        play = functools.partial(rollout, temperature=a.temperature)
+        eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
+                                       play(run.model, run.tok, run.env, ts), tasks)
         b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device),
                           torch.tensor([e.reward for e in eps], device=run.device))
     run.episodes += len(eps)

@@ -383,6 +383,25 @@ def test_epochs_are_student_updates_toward_one_teacher_scoring(out, monkeypatch)
     assert len({round(x.item(), 7) for x in losses}) == 3  # θ moved between the steps
 
 
+@pytest.mark.parametrize("name", ["lopd", "psp"])  # the plain rollout, and a method's own sampler (PSP's)
+def test_temperature_reaches_the_training_rollouts_only(out, monkeypatch, name):
+    """--temperature 0.7 (the paper's rollouts): every decode of a training step samples at 0.7; the
+    held-out evaluation's greedy decode stays greedy."""
+    os.makedirs(out / f"{name}-t07", exist_ok=True)
+    run = tiny_run(out, name, "--temperature", "0.7", "--name", f"{name}-t07")
+    seen, generate = [], M.generate
+
+    def record(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
+        seen.append((greedy, temperature))
+        return generate(model, tok, prefixes, bodies, max_new, greedy, temperature)
+    monkeypatch.setattr(M, "generate", record)
+    train.train_step(run)
+    assert seen and all(s == (False, 0.7) for s in seen)
+    seen.clear()
+    train.rollout(run.model, run.tok, run.env, run.env.eval_tasks[:2], greedy=True)
+    assert seen and all(g for g, _ in seen)
+
+
 def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out, monkeypatch):
     """The bank holds only task A (3 copies), so A retrieves nothing (its own instance is
     forbidden) and B retrieves A's: A's rollout gets no teacher, and the student and composer
