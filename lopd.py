@@ -270,23 +270,32 @@ def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
 
 
 def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False, relative=False):
-    """The composer's objective (the LOPD paper's composer loss), minimised over φ only:
+    """The composer's objective (the LOPD paper's eq. 3), minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
 
     The KL keeps the teacher close to the student (stable targets), the margin term makes
     the latents carry reward-relevant information, the anchor keeps them near the
-    cold-start latents. ‖·‖² is the mean squared entry, so λ does not scale with d·K;
-    relative=True divides it by the mean squared entry of z0, so λ does not depend on the
-    latents' scale either (the paper set λ = 0.2 for a 4B model's hidden states, not ours).
+    cold-start latents. Weighted as the authors' code weights it: each rollout's KL and δ are
+    means over its own agent tokens, and the loss is the mean over rollouts; the Δ returned
+    (for the dual step on β, and the log) is the token-weighted mean of the rollouts' A·δ.
+    ‖·‖² is the mean squared entry, so λ does not scale with d·K; relative=True divides it by
+    the mean squared entry of z0, so λ does not depend on the latents' scale either.
+    logits (B, T, V); y, mask (B, T); reward (B,); z, z0 (N, d).
     -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
     logits_s = logits_s.detach()
-    kl = masked_mean(divergence(logits_s, logits_t, 'rkl'), mask)
-    delta = privileged_margin(token_logp(logits_t, y), token_logp(logits_s, y), mask, reward, centered)
+    m = mask.to(torch.float32)
+    n = m.sum(-1).clamp(min=1)                                                  # (B,) agent tokens per rollout
+    kl = ((divergence(logits_s, logits_t, 'rkl') * m).sum(-1) / n).mean()      # per rollout, then over rollouts
+    delta_t = token_logp(logits_t, y) - token_logp(logits_s, y)                # (B, T) δ_t
+    r = reward.to(delta_t.dtype)
+    A = r - r.mean() if centered else 2 * r - 1                                 # (B,) A(τ)
+    delta_traj = A * (delta_t * m).sum(-1) / n                                  # (B,) A(τ)·mean_t δ_t
     anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
     if relative and z.numel():
         anchor = anchor / (z0.detach() ** 2).mean().clamp(min=1e-12)
-    loss = kl + beta * (margin - delta) + lam * anchor
+    loss = kl + beta * (margin - delta_traj.mean()) + lam * anchor
+    delta = (delta_traj * m.sum(-1)).sum() / m.sum().clamp(min=1)               # Δ weighted by tokens, for β
     return loss, delta.detach(), anchor.detach()
 
 

@@ -377,12 +377,21 @@ def test_composer_loss_gradients_reach_the_composer_only(tok):
     reward = torch.tensor([1.0, 0.0])
     beta, margin, lam = 0.7, 0.05, 0.2
     loss, delta, anchor = lopd.composer_loss(logits_s, logits_t, ids, amask, reward, beta, margin, lam, z, z0)
-    # the value is the sum of its three terms
-    kl = lopd.masked_mean(lopd.divergence(logits_s, logits_t, "rkl"), amask)
-    want_delta = lopd.privileged_margin(lopd.token_logp(logits_t, ids), lopd.token_logp(logits_s, ids), amask, reward)
-    assert delta.item() == pytest.approx(want_delta.item(), abs=1e-6)
-    assert anchor.item() == pytest.approx(((z - z0) ** 2).mean().item(), abs=1e-9)
-    assert loss.item() == pytest.approx((kl + beta * (margin - want_delta) + lam * anchor).item(), abs=1e-6)
+    # the value, rollout by rollout as the authors' code sums it: each rollout's KL and A·δ are means over
+    # its own agent tokens, the loss is their mean over rollouts, and the Δ for β is weighted by tokens
+    kl_tok = lopd.divergence(logits_s, logits_t, "rkl")
+    d_tok = lopd.token_logp(logits_t, ids) - lopd.token_logp(logits_s, ids)
+    per_loss, d_sum, n_sum = [], 0.0, 0
+    for i in range(B):
+        agent = [t for t in range(ids.shape[1]) if amask[i, t]]
+        kl_i = sum(kl_tok[i, t] for t in agent) / len(agent)
+        delta_i = (2 * reward[i] - 1) * sum(d_tok[i, t] for t in agent) / len(agent)
+        per_loss.append(kl_i + beta * (margin - delta_i))
+        d_sum, n_sum = d_sum + delta_i * len(agent), n_sum + len(agent)
+    want_anchor = ((z - z0) ** 2).mean()
+    assert delta.item() == pytest.approx((d_sum / n_sum).item(), abs=1e-9)
+    assert anchor.item() == pytest.approx(want_anchor.item(), abs=1e-9)
+    assert loss.item() == pytest.approx((sum(per_loss) / B + lam * want_anchor).item(), abs=1e-9)
     assert not delta.requires_grad and not anchor.requires_grad
     loss.backward()
     assert all(p.grad is not None for p in composer.parameters())
