@@ -400,11 +400,8 @@ def action_stats(env, eps):
             'actions_per_episode': n / max(len(eps), 1), 'chars_per_action': chars / n_}
 
 
-# the other environments, in files of their own (they build on the classes above)
-from tooluse_v1 import ToolUseV1  # noqa: E402
-from codegen import CodeGen  # noqa: E402
-
-ENVS = {'tooluse': ToolUse, 'tooluse-v1': ToolUseV1, 'codegen': CodeGen}
+# name -> environment class; the others (plugins/codegen.py, plugins/tooluse_v1.py) add theirs when imported
+ENVS = {'tooluse': ToolUse}
 
 
 def make_env(name, seed=0):

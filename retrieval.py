@@ -1,9 +1,12 @@
-"""The experience bank and retriever of LOPD (step 2 of train.py).
+"""LOPD's memory: the experience bank, the retriever, and how a retrieved experience becomes
+latent tokens in the teacher's context (steps 2, 3 and 7 of train.lopd_step).
 
 The bank stores *successful* trajectories as "action -> result" text, each with a document
-embedding (of its task by default; of "task \\n trajectory" with doc_trajectory=True, as in
-the paper). A new task is embedded alone as the query; we return the J stored experiences
-most cosine-similar to it, for the composer (lopd.py).
+embedding of its task. A new task is embedded alone as the query; we return the J stored
+experiences most cosine-similar to it (step 2). The frozen base reads each one ("task to solve:
+x / reference past trajectory: m_j"); the composer φ (lopd.QFormer) maps that reading to K latent
+tokens, which go where a text context would go in the teacher's prompt (step 3). New successes
+are written back (step 7).
 
     bank = ExperienceBank(hashing_embedder())
     bank.add([Experience("t1", "q3", "q3 bob", "lookup(team, bob) -> red ...", 1.0)])
@@ -15,21 +18,25 @@ What it leaves out:
   (cosine_topk) is exact, fast enough and needs no extra dependency.
 - A learned embedder. The default is a stateless char n-gram hash that needs no fitting,
   so stored embeddings never go stale as the bank grows. Any callable
-  list[str] -> (N, D) array works (e.g. pooled hidden states of the frozen base model).
+  list[str] -> (N, D) array works, registered by name in EMBEDDERS (code generation's, which
+  embeds the input->output relation of the task's examples, is registered by plugins/codegen.py).
 - Deduplication and priorities: eviction is plain FIFO (oldest out first).
 
 References: Zhang et al. 2026, "Latent On-Policy Self-Distillation" (arXiv 2608.13040);
 Johnson et al. 2017, "Billion-scale similarity search with GPUs" (FAISS).
 """
-import ast
 import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
-import sandbox
+import model as M
+from plumbing.bookkeeping import arg
+from plumbing.registry import Prefixes
+
 
 FORMAT_VERSION = 1  # bumped if the saved layout changes, so old files fail loudly
 
@@ -61,103 +68,9 @@ def hashing_embedder(n_features: int = 4096) -> Callable[[list[str]], np.ndarray
     return embed
 
 
-def parse_examples(prompt: str, max_chars: int = 400) -> list[tuple]:
-    """A code-generation prompt "[3,1]->[4,2]; [0]->[1]" -> [([3, 1], [4, 2]), ([0], [1])].
-
-    Each side is read by ast.literal_eval (data only, never code) on a bounded prefix of the
-    text; a part that is not "literal->literal" is skipped, so any text gives a list."""
-    out = []
-    for part in str(prompt)[:max_chars].split("; "):
-        a, arrow, b = part.partition("->")
-        try:
-            out.append((ast.literal_eval(a.strip()), ast.literal_eval(b.strip()))) if arrow else None
-        except Exception:  # SyntaxError, ValueError, MemoryError, RecursionError on odd text
-            continue
-    return out
-
-
-def _subsequence(y, x) -> bool:
-    it = iter(x)
-    return all(any(v == u for u in it) for v in y)
-
-
-def _ints(v) -> bool:
-    return type(v) is list and all(type(e) is int for e in v)
-
-
-def relation_tests(x, y) -> list[bool]:
-    """Yes/no tests of how one output y relates to its input x: types, lengths, order,
-    membership, element-wise differences and ratios, what an int output counts. None names a
-    task family; together they tell the families' relations apart."""
-    seq = type(x) in (list, str) and type(y) is type(x)                      # a list -> list or str -> str function
-    n, m = (len(x), len(y)) if seq else (0, 0)
-    same_len = seq and m == n
-    el = _ints(x) and _ints(y) and same_len and n > 0                         # element-wise, on int lists
-    diffs = {b - a for a, b in zip(x, y)} if el else set()
-    ratios = {b // a for a, b in zip(x, y) if a} if el and all(a == 0 or b % a == 0 for a, b in zip(x, y)) else set()
-    count = type(y) is int and type(x) in (list, str)                          # an int computed from a sequence
-    return [type(x) is list, type(x) is str, type(y) is list, type(y) is str, type(y) is int,
-            seq and m > n, same_len, seq and m < n, seq and n > 0 and m == 2 * n, seq and n > 0 and m == 3 * n,
-            seq and sorted(x) == sorted(y), seq and list(y) == sorted(x), seq and list(y) == sorted(x, reverse=True),
-            seq and y == x[::-1], seq and y == x[:m], seq and m <= n and y == x[n - m:],
-            seq and _subsequence(y, x), seq and all(v in x for v in y),
-            same_len and any(y == x[i:] + x[:i] for i in range(1, n)),   # a rotation by 1..n-1
-            seq and n > 0 and m % n == 0 and y == x * (m // n), seq and y == x + x[::-1], seq and m > n and y[:n] == x,
-            seq and n > 1 and y == x[::2], seq and n > 2 and y == x[::3],
-            el and len(diffs) == 1, el and len(diffs) == 1 and min(diffs) > 0, el and len(ratios) == 1 and min(ratios) > 1,
-            count and _ints(x) and y == sum(x), count and y == len(x), count and 0 <= y < len(x), count and y in x,
-            count and _ints(x) and len(x) > 0 and y == max(x)]
-
-
-RELATION_DIM = len(relation_tests([0], [0]))
-
-
-def relation_embedder() -> Callable[[list[str]], np.ndarray]:
-    """Code generation's embedder: a prompt of input->output examples -> the mean over its examples
-    of relation_tests (float32 (N, RELATION_DIM)); a text with no example is the zero vector.
-
-    The prompt is numbers and brackets, so char n-grams mostly match tasks that share digits, not
-    functions: on 250 held-out queries against 600 stored tasks (J = 3) they find the query's
-    family 0.54 of the time, these tests 0.98."""
-    def embed(texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), RELATION_DIM), dtype=np.float32)
-        for i, t in enumerate(texts):
-            examples = parse_examples(t)
-            if examples:
-                out[i] = np.mean([relation_tests(x, y) for x, y in examples], axis=0)
-        return out
-
-    return embed
-
-
-def execution_rerank(task: str, candidates: list[Experience]) -> list[float]:
-    """Code generation's reranker: the fraction of the task's shown examples that each candidate's
-    program (its trajectory: a stored success is its passing program) reproduces. Same family and
-    same constant = the same function, so the relation embedder's shortlist is sorted by what
-    solves *this* task. The programs are model output: they run only through sandbox.safe_eval's
-    checks and interpreter, each program compiled once; the cost per query is at most
-    rerank_pool × 3 runs, each within the evaluator's step budget."""
-    examples = parse_examples(task)
-    if not examples:
-        return [0.0] * len(candidates)
-
-    def reproduced(program):
-        lam, reason = sandbox.compile_program(program)
-        if reason:
-            return 0.0
-        runs = [sandbox.run_program(lam, x) for x, _ in examples]  # (value, error) each, never raises
-        return sum(err is None and sandbox.code_repr(got) == sandbox.code_repr(y)
-                   for (got, err), (_, y) in zip(runs, examples)) / len(examples)
-
-    score = {}  # the same program is run once, however many experiences hold it
-    for e in candidates:
-        if e.text not in score:
-            score[e.text] = reproduced(e.text)
-    return [score[e.text] for e in candidates]
-
-
-EMBEDDERS = {"ngram": hashing_embedder, "relation": relation_embedder}  # name -> maker of an embedder
-RERANKERS = {"none": None, "execution": execution_rerank}
+# name -> maker of an embedder (plugins may add theirs), and name -> reranker of a shortlist (None: none)
+EMBEDDERS = {"ngram": hashing_embedder}
+RERANKERS = {"none": None}
 
 
 def cosine_topk(queries: np.ndarray, docs: np.ndarray, J: int,
@@ -329,3 +242,139 @@ class ExperienceBank:
             name = type(err).__name__
             raise ValueError(f"cannot load experience bank {path!r}: {name}: {msg}") from err
         return bank
+
+
+# ----------------------------------------------------------------------------- LOPD's memory in the step
+
+BANK_FLAGS = {  # an experience bank, filled with base rollouts before training, written back as we go
+    'J': arg(1, 'experiences retrieved per task (the paper: 3; here one same-family success teaches most)', lo=1),
+    'bank_capacity': arg(4000, 'experience bank size (FIFO)', lo=1),
+    'allow_same_task': arg(False, 'let retrieval return this very task instance (the paper allows it)'),
+    'retrieval': arg('similar', "what the teacher is shown during training: similar = the top-J experiences of similar "
+                     "tasks (the method); other = of other families only (a control: OP²SD's shuffled donor)",
+                     choices=['similar', 'other'], after_setup=True),
+    'init_episodes': arg(512, 'base rollouts that fill the bank before training (they count toward --episodes)', lo=0),
+    'embedder': arg('', "the retriever's embedder ('' = the environment's: char n-grams for tool use, the tests of "
+                    "each example's input->output relation for code generation)", choices=lambda: ['', *EMBEDDERS]),
+    'rerank': arg('', "re-sort the embedder's top 32 ('' = the environment's: none for tool use; for code generation, "
+                  "by how many of the task's examples each stored program reproduces)", choices=lambda: ['', *RERANKERS]),
+    'bank_source': arg('pool', "what fills the bank before training: the base's rollouts; pool = the shared pool OPSD "
+                       "is shown (the base's successes, the scripted expert's demo of each task it failed: the paper's "
+                       "'stronger models where coverage is lacking'); expert = the expert's demos only",
+                       choices=['rollouts', 'pool', 'expert']),
+}
+
+
+READING_FRAME = 'task to solve: {task}\nreference past trajectory: '  # how the composer's reader sees one experience
+
+
+def experiences_text(pairs):
+    """Past experiences [(task prompt, trajectory text)] as one context: 'past: quandle bo: team(bo) -> red; …\n
+    city of ed: city(ed) -> oslo; answer oslo\n' (each line starts with a space, so it tokenizes alone).
+    Each trajectory carries its task, so that a reader can tell which of them is about this task's family."""
+    return 'past:' + ''.join(experience_line(task, traj) + '\n' for task, traj in pairs)
+
+
+def experience_line(task, traj):
+    """One experience as a line of the context, without its newline (LOPD's reader reads the same line)."""
+    return f' {task}: {traj}'
+
+
+def bank_text(found):
+    """Retrieved bank entries as one text context (Traj-text's, and LOPD's text-to-latent cold start's)."""
+    return experiences_text([(m.task, m.text) for m in found])
+
+
+def new_bank(run):
+    embed = EMBEDDERS[run.args.embedder or run.env.embedder]()
+    rerank = RERANKERS[run.args.rerank or run.env.rerank]
+    return ExperienceBank(embed, run.args.bank_capacity, run.args.allow_same_task, rerank=rerank)
+
+
+def retrieve(run, tasks, other_family=False):
+    """Step 2: top-J successful experiences of similar tasks (never this task, by default).
+    other_family=True: only experiences of other families (the teacher-gap report's control)."""
+    return run.state['bank'].retrieve([t.prompt for t in tasks], [t.task_id for t in tasks], run.args.J,
+                                      exclude_families=[t.family for t in tasks] if other_family else None)
+
+def phi_params(composer, reader):
+    """φ: the composer's parameters, and the reader's when it trains."""
+    return list(composer.parameters()) + (list(reader.parameters()) if reader is not None else [])
+
+
+def compose(run, tasks, found, grad, read0=None):
+    """Step 3: the reader (the frozen base, or with --reader trained its trainable copy) reads
+    'task to solve: x / reference past trajectory: m_j'; the composer maps its hidden states to K
+    latents per experience. read0: the frozen reading of these experiences, already pooled
+    (reading(); the cold start reuses it). -> z with φ's graph if grad, z0 from φ0 (ΣN·K, d)."""
+    d = run.teacher.get_input_embeddings().weight.shape[1]
+    if not any(found):
+        empty = torch.zeros(0, d, device=run.device)
+        return empty, empty
+    s = run.state
+    with torch.no_grad():
+        read0 = reading(run, tasks, found, s['reader0'] or run.teacher) if read0 is None else read0  # composer.read's
+        z0 = s['composer0'].from_reading(read0)                                 # (N, K, d) the anchor's target
+    with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
+        read = reading(run, tasks, found, s['reader']) if s['reader'] is not None else read0
+        z = s['composer'].from_reading(read)                                    # (N, K, d)
+    return z.reshape(-1, d), z0.reshape(-1, d)
+
+
+def reading(run, tasks, found, reader):
+    """The reader's hidden states over each retrieved experience, pooled into K segments. We pool
+    over the experience's own tokens only (read in the light of the task): pooled over the framing
+    too, the first segments would describe the framing, not the plan. -> what composer.read keeps of
+    it (the MLP: (N, K, d)), N = Σ_i |found_i|."""
+    heads = [run.tok.encode(READING_FRAME.format(task=t.prompt)) for t, f in zip(tasks, found) for _ in f]
+    bodies = [experience_tokens(run, m) for f in found for m in f]
+    ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
+                                  [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
+    return run.state['composer'].read(M.hidden(reader, ids, attn), M.embed(reader, ids), pool)
+
+
+def experience_tokens(run, m):
+    """A retrieved experience's line as the reader reads it (cut at 200 tokens)."""
+    return run.tok.encode(experience_line(m.task, m.text))[:200]
+
+
+def latent_frame(run, zs):
+    """<|bos|><|ctx|>past: z_1 \n z_2 \n … z_J \n — each experience's K latents exactly where
+    experiences_text puts its text line, i.e. in the slot the base learned to read (the paper's
+    code frames its latents the same way: "reference example … end of reference example").
+    zs: J tensors (K, d) -> (P, d)."""
+    E = lambda ids: M.embed(run.teacher, torch.tensor(ids, device=run.device))
+    with torch.no_grad():  # constants: with LoRA, new token rows are θ's trainable rows, which φ's loss must not reach
+        head, sep = E(run.tok.context_head() + run.tok.encode('past:')), E(run.tok.encode('\n'))
+    return torch.cat([head] + [x for z in zs for x in (z, sep)])
+
+
+def latent_prefixes(run, z, found):
+    """Each rollout's latents, framed (latent_frame): experience j's K latents, of which the composer
+    shows the first `shown`. z (ΣN·K, d) from compose -> per rollout (P_i, d), or None (nothing retrieved)."""
+    prefixes, k, K = [], 0, run.args.K
+    shown = lambda m: run.state['composer'].shown(len(experience_tokens(run, m)))
+    for f in found:
+        prefixes.append(latent_frame(run, [z[k + j * K:k + j * K + shown(m)] for j, m in enumerate(f)]) if f else None)
+        k += len(f) * K
+    return prefixes
+
+
+def latents(run, eps, grad, found=None, read0=None):
+    """Steps 2-3 in one call (the cold start, evaluation, the reports) -> Prefixes: latent_prefixes per
+    rollout, with z, z0 and what was retrieved as attributes."""
+    tasks = [e.task for e in eps]
+    found = retrieve(run, tasks) if found is None else found
+    z, z0 = compose(run, tasks, found, grad, read0)
+    return Prefixes(latent_prefixes(run, z, found), z=z, z0=z0, found=found)
+
+
+def write_back(run, eps):
+    """Step 7: successful rollouts join the bank (the bank keeps only successes)."""
+    run.state['bank'].add([Experience(e.task.task_id, e.task.family, e.task.prompt,
+                                                run.env.trajectory_text(e), e.reward) for e in eps])
+
+
+def family_hit(run, eps, found):
+    """Diagnostic: the fraction of retrieved experiences from the query's own family (training only)."""
+    return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)

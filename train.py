@@ -1,30 +1,22 @@
-"""Train a small agent with on-policy self-distillation: LOPD and its baselines.
+"""Train a small agent with on-policy self-distillation: LOPD, and the baselines it is compared against.
 
-One LOPD training step (Zhang et al. 2026, arXiv 2608.13040; one rollout per task, G = 1):
+LOPD's training step is `lopd_step` below: Algorithm 1 of Zhang et al. 2026 (arXiv 2608.13040),
+seven numbered blocks, one rollout per task (G = 1):
   1. rollout         the student samples one multi-turn episode per task (KV cache)
   2. retrieve        top-J successful past trajectories of similar tasks from the bank
-  3. compose         the frozen base reads each; the composer φ maps it to K latent tokens
-  4. teacher_phase   the frozen teacher π_θ0(·|z, x, y<t) scores every agent token
-  5. student_phase   one optimizer step of θ on L_distill = Σ_{t∈A} KL(π_θ ‖ sg π_T) / |A|
-  6. composer_phase  one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖²; β ← max(0, β + η_β(m − Δ))
-  7. write_back      new successful rollouts go into the bank
-Before step 1, once: the warm-up (warmup.py, cached under runs/, shared by every method) and
-the method's setup (LOPD's: fill the bank, counted toward the episode budget;
-then pre-train φ, 150 steps of the paper's NLL cold start).
+  3. compose         the frozen base reads each; the composer φ maps it to K latent tokens z
+  4. teacher phase   the frozen teacher π_θ0(·|z, x, y<t) scores every agent token
+  5. student phase   one step of θ on eq. (1), L_distill = mean_{t∈A} KL(π_θ ‖ sg π_T)
+  6. composer phase  one step of φ on eq. (3) with the margin (2); β ← max(0, β + η_β(m − Δ))
+  7. write back      new successful rollouts go into the bank
+Before step 1, once (warmup.py): the warm-up (cached under runs/, shared by every method) and
+LOPD's cold start (fill the bank, counted toward the episode budget; pre-train φ).
 
-Every method goes through the same train_step: rollout -> teacher_phase (the method's context
-builder, steps 2-3 for LOPD) -> student_phase (its loss) -> its after-step hook (steps 6-7 for
-LOPD). The methods, one block each, are in methods.py; a new variant is one more block there.
-The plumbing (checkpoints, caches, signals, logs, plots) is in bookkeeping.py, the warm-up in warmup.py.
-
-Simplifications, said plainly: one PPO epoch per batch, so GRPO's ratio is 1 and its clip
-never binds (the loss is the clipped objective all the same); LOPD's teacher forward is run
-once with φ's graph kept and reused by the student phase (detached) and the composer phase,
-which gives the same numbers as two separate forwards; the latents sit in the text context's
-slot, framed as the text is (lopd_method.latent_frame); a tiny Llama with a small BPE vocabulary
-learned offline and toy environments stand in for a 4B model and EnvScaler.
+The math is lopd.py, the bank and the composer's reading retrieval.py, the model's scoring
+model.py. The baselines (plugins/) take `train_step`, a generic step of the same shape:
+rollout -> their teacher's context -> teacher phase -> student phase on their loss. Checkpoints,
+caches, devices and the command line are plumbing/.
 """
-import argparse
 import copy
 import dataclasses
 import functools
@@ -38,14 +30,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import bookkeeping as bk
 import envs
 import lopd
-import methods
 import model as M
-import parallel
+import retrieval
 import warmup
-from bookkeeping import arg, die
+from plumbing import bookkeeping as bk
+from plumbing import config, parallel
+from plumbing.bookkeeping import arg, die
+from plumbing.registry import DISTILL_FLAGS, METHODS, Batch, Method, Teacher, distill, embed_context, register, with_default
 
 CODE = bk.CODE
 RUN, MODEL = 'the run', 'the model and the warm-up'
@@ -53,9 +46,10 @@ RUN, MODEL = 'the run', 'the model and the warm-up'
 
 @dataclass
 class Args:
-    """The run, the model and the warm-up. Each method's own flags are in its block in methods.py."""
-    method: str = arg('lopd', 'the method (one block each in methods.py)', group=RUN)
-    env: str = arg('tooluse', 'environment', choices=list(envs.ENVS), group=RUN)
+    """The run, the model and the warm-up. LOPD's own flags are LOPD_FLAGS below; a baseline's are in its block in plugins/."""
+    method: str = arg('lopd', 'the method: lopd (lopd_step below), or a baseline or variant (plugins/)', choices=lambda: list(METHODS),
+                      group=RUN)
+    env: str = arg('tooluse', 'environment', choices=lambda: list(envs.ENVS), group=RUN)
     seed: int = arg(0, 'seed of this run (task order, sampling, init of φ)', group=RUN)
     episodes: int = arg(3072, 'rollout budget: episodes sampled in total (a bank\'s filling included, unless --setup_free)',
                         lo=0, open_lo=True, after_setup=True, group=RUN)
@@ -107,76 +101,12 @@ class Args:
 
 def config_class():
     """Args plus every registered method's own flags: the one config a run saves."""
-    own = {}
-    for m in methods.METHODS.values():
-        for k, f in m.flags.items():
-            own.setdefault(k, f)
-    return dataclasses.make_dataclass('Config', [(k, type(f.default), dataclasses.field(default=f.default, metadata=f.metadata))
-                                                 for k, f in own.items()], bases=(Args,))
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        die(message)
+    return config.config_class(Args)
 
 
 def parse_args(argv=None):
-    """--flags -> the config (the saved one, when resuming). -h shows the flags in groups: the run,
-    the model and warm-up, then each set of methods' own flags."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    Config = config_class()
-    p = Parser(description=__doc__.split('\n')[0], allow_abbrev=False,
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    groups = {}
-    for f in dataclasses.fields(Config):
-        title = f.metadata['group'] or 'only for ' + ', '.join(methods.readers(f.name))
-        g = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
-        choices = list(methods.METHODS) if f.name == 'method' else f.metadata['choices']
-        kw = dict(action='store_true') if f.type is bool else dict(type=f.type, default=f.default, choices=choices)
-        g.add_argument(f'--{f.name}', help=f.metadata['help'], **kw)
-    a = Config(**vars(p.parse_args(argv)))
-    given = {t[2:].split('=')[0] for t in argv if t.startswith('--')}
-    for k, v in envs.ENVS[a.env].defaults.items():  # the environment's own defaults, where a flag is not given
-        if k not in given:
-            setattr(a, k, v)
-    if a.lora_r < 0:
-        a.lora_r = 16 if a.model else 0
-    if a.score_chunk < 0:
-        a.score_chunk = 256 if a.model else 0
-    if a.export:
-        a.resume = a.resume or a.export
-    check_args(a, given)
-    return bk.resume_config(a, argv, Config) if a.resume else a
-
-
-def check_args(a, given):
-    """What argparse's choices and the fields' ranges do not cover (given: the flags on the command
-    line): one line each, exit status 2."""
-    bk.check_ranges(a)
-    m = methods.METHODS[a.method]
-    for k in sorted(given - set(m.flags)):
-        if methods.readers(k):
-            die(f'--{k} applies to {", ".join(methods.readers(k))} only, not {a.method}')
-    for f in dataclasses.fields(a):  # e.g. --margin without --composer_phase would be read by nothing
-        if f.name in given and f.metadata.get('needs') and not getattr(a, f.metadata['needs']):
-            die(f'--{f.name} acts only with --{f.metadata["needs"]}')
-    if a.batch % m.group:
-        die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
-    ranks = int(os.environ.get('WORLD_SIZE', 1))
-    if a.batch % (m.group * ranks):
-        die(f'--batch {a.batch} must be a multiple of the group size {m.group} × {ranks} ranks, so every rank rolls out whole groups')
-    if a.resume and not os.path.exists(a.resume):
-        die(f'--resume path does not exist: {a.resume}')
-    if a.device == 'cuda' and not torch.cuda.is_available():
-        die('--device cuda asked for, but torch sees no CUDA device')
-    kind = parallel.pick_device(a.device).type
-    if a.dtype == 'bf16' and (kind == 'mps' or kind == 'cuda' and not torch.cuda.is_bf16_supported()):
-        die(f'--dtype bf16 is not supported on this {kind} device; use --dtype fp32')
-    local = os.path.expanduser(a.model)
-    if a.model.startswith(('.', '/', '~')) and not (os.path.isdir(local) or local.endswith('.gguf') and os.path.isfile(local)):
-        die(f'--model {a.model}: no such folder' + (' or file' if local.endswith('.gguf') else ''))
-    if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
-        die(f'--out_dir {a.out_dir} is a file, not a folder')
+    """--flags -> the config (the saved one, when resuming); -h shows the flags in groups."""
+    return config.parse_args(Args, argv, description=__doc__.split('\n')[0])
 
 
 # ----------------------------------------------------------------------------- rollout (step 1)
@@ -212,19 +142,173 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
     return eps, bodies, masks
 
 
-# ----------------------------------------------------------------------------- the phases (steps 4-5)
+
+# ----------------------------------------------------------------------------- LOPD (Algorithm 1)
+
+def lopd_step(run):
+    """One step of LOPD (Algorithm 1), top to bottom. Where it departs from the authors' code
+    (bingreeky/LOPD), and why:
+      1. Scale: a 0.9M-parameter Llama trained here from scratch and a toy tool-use world, not
+         Qwen3-4B on EnvScaler; 16 rollouts a step, lr 3e-4 (theirs: 32, 1e-5; ours measured best).
+      2. The composer: one attention layer, K = 64 queries over the frozen base's reading of an
+         experience, whose values are the tokens' own input embeddings and whose query k starts on
+         token k (a copy); theirs is 8 passes of a shared attention + feed-forward block over 32
+         random queries, read from θ0 plus a trainable rank-8 LoRA encoder (ours: --reader trained).
+      3. The bank: base rollouts and the scripted expert's demos, successes only, written back as
+         we go (step 7), never this task itself, J = 1; theirs is built offline, kept static, keeps
+         failures (min reward 0), allows self-retrieval, J = 3.
+      4. The cold start: 150 steps at the student's lr 3e-4, composer only, on the bank's
+         successes; theirs: 1,000 steps at 1e-5 of the composer and the encoder's LoRA on an SFT set.
+      5. Distillation over the full vocabulary (theirs: the teacher's top-20 plus a tail bucket,
+         our --topk 20), AdamW without weight decay (theirs: the default 0.01).
+    Eqs. (1)-(3) and the dual step are theirs, weighted as theirs: in step 6 each rollout's KL and
+    A·δ are means over its own tokens, averaged over rollouts; β moves on Δ weighted by tokens."""
+    a, s, tok = run.args, run.state, run.tok
+    tasks = run.rng.sample(run.env.train_tasks, a.batch)
+    train_phi = a.composer_phase
+    # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
+    with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
+        eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature), tasks)
+        ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)      # (B, T) each; amask = A
+        reward = torch.tensor([e.reward for e in eps], device=run.device)       # (B,) graded, in [0, 1]
+    run.episodes += len(eps)
+    with run.timer('teacher'):
+        # 2. retrieve: the top-J successful past trajectories of similar tasks (never this task itself)
+        found = retrieval.retrieve(run, tasks, other_family=a.retrieval == 'other')   # B lists of ≤ J experiences
+        # 3. compose: the frozen base reads each experience, φ maps the reading to K latents z, and
+        #    φ0 (the cold-start copy) to the anchor z0; they go where a text context goes:
+        #    <|bos|><|ctx|>past: z_1 \n … z_J \n  (None for a rollout with nothing retrieved)
+        z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)            # (ΣN·K, d) each
+        prefixes = retrieval.latent_prefixes(run, z, found)                     # B × (P_i, d) or None
+        keep = torch.tensor([p is not None for p in prefixes])                  # (B,) no latents: no teacher
+        # 4. teacher phase: the frozen teacher scores every agent token of every rollout in one forward,
+        #    with φ's graph kept for step 6
+        with torch.set_grad_enabled(train_phi):
+            logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)  # (B, T, V)
+    with run.timer('student'):
+        # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t))
+        score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn, a.score_chunk)
+        distill_mask = amask * keep[:, None].to(amask)                          # (B, T)
+        logits_s = score()                                                      # (B, T, V)
+        loss_distill = lopd.distill_loss(logits_s, logits_t, distill_mask, a.divergence or 'rkl', a.topk)
+        logits_s = logits_s.detach()                                            # θ's scores before its step, for step 6
+        bk.optimizer_step(run, run.opt, loss_distill, run.model)
+        for _ in range(a.epochs - 1):  # --epochs: more steps toward the same teacher scores
+            bk.optimizer_step(run, run.opt, lopd.distill_loss(score(), logits_t, distill_mask, a.divergence or 'rkl', a.topk),
+                              run.model)
+    with torch.no_grad():  # what success hides: does the student's entropy collapse?
+        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), amask).item()
+    logs = {'loss': loss_distill.item(), 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
+            'family_hit': retrieval.family_hit(run, eps, found)}
+    if train_phi:
+        with run.timer('composer'):
+            # 6. composer phase, eq. (3): KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², where the margin (2)
+            #    Δ = mean_τ A(τ)·mean_{t∈A}[log π_T(y_t|z, …) − sg log π_θ(y_t|…)], A = 2r − 1;
+            #    then the dual step β ← max(0, β + η_β(m − Δ))
+            k = keep.to(run.device)
+            if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: θ's step changed tensors that graph holds
+                logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)
+            loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
+                                                         a.margin, a.lam, z, z0, centered=a.advantage == 'centered',
+                                                         relative=a.anchor == 'relative')
+            for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds its own lr)
+                g['lr'] = lr_phi(run)
+            bk.optimizer_step(run, s['opt_phi'], loss_phi, retrieval.phi_params(s['composer'], s['reader']))
+            s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
+        logs.update(delta=float(delta), anchor=float(anchor))
+    # 7. write back: the successful rollouts join the bank
+    retrieval.write_back(run, eps)
+    for key, v in logs.items():
+        run.log.setdefault(key, []).append(v)
+    run.step += 1
+
+
+def lopd_state(run):
+    """φ (the composer, and with --reader trained the reader too), its cold-start copy φ0 (for the
+    anchor), φ's optimizer, the multiplier β, the bank."""
+    emb = run.model.get_input_embeddings().weight
+    composer = lopd.COMPOSERS[run.args.composer](emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
+    # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a
+    # trainable copy of θ0 (the tiny model is small enough to copy whole)
+    reader = copy.deepcopy(run.model).train().requires_grad_(True) if run.args.reader == 'trained' else None
+    frozen = lambda m: copy.deepcopy(m).requires_grad_(False) if m is not None else None
+    return {'bank': retrieval.new_bank(run), 'composer': composer, 'composer0': frozen(composer), 'reader': reader,
+            'reader0': frozen(reader), 'opt_phi': torch.optim.AdamW(retrieval.phi_params(composer, reader), lr=lr_phi(run),
+                                                                  weight_decay=0.0), 'beta': 0.0}
+
+
+def lr_phi(run):
+    return run.args.lr_composer or run.args.lr or run.method.lr
+
+
+def lopd_context(run, eps):
+    """Steps 2-3 for evaluation and the reports: the teacher's latent context for each episode's task."""
+    found = retrieval.retrieve(run, [e.task for e in eps], other_family=run.args.retrieval == 'other')
+    return retrieval.latents(run, eps, grad=False, found=found)
+
+
+PHASE = 'composer_phase'  # the flags of step 6 act only with it
+LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
+    'K': arg(64, 'latent tokens per retrieved experience (64: more than a tool-use experience has tokens; the paper: 32)',
+             lo=1),
+    'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
+                    "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
+                    "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
+    'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, needs=PHASE),
+    'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, needs=PHASE),
+    'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
+                  after_setup=True, needs=PHASE),
+    'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, needs=PHASE),
+    'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
+                       "KL term pulls the teacher onto the student)", lo=0, after_setup=True,
+                       needs=PHASE),
+    'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
+    'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '
+                            'whose latents start as the experience\'s embeddings)', lo=0),
+    'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of the bank's successes "
+                      "given their latents; text = the teacher reading the latents matches it reading the same "
+                      "experiences as text", choices=list(warmup.COLD_STARTS)),
+    'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
+                             choices=['balanced', 'stored']),
+    'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
+                  choices=['frozen', 'trained']),
+    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
+                     choices=['paper', 'centered'], after_setup=True, needs=PHASE),
+    'composer_phase': arg(False, "step 6, the paper's: train φ after each student step on the KL, the margin and "
+                          "the anchor (off by default: in the miniature it lowers the teacher and the student)",
+                          after_setup=True)
+}
+
+register('lopd', Method(
+    distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
+    state=lopd_state, setup=warmup.cold_start, step=lopd_step, flags=LOPD_FLAGS,
+    bench={'lopd': dict(knob=['--cold_start_steps', '300'], cost=280, quick=True),
+           'lopd-phase': dict(flags=['--composer_phase'], cost=670, quick=True),
+           'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True),
+           # the ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
+           'lopd-m0.2': dict(flags=['--composer_phase', '--margin', '0.2'], cost=350),
+           'lopd-centered': dict(flags=['--composer_phase', '--advantage', 'centered'], cost=350),
+           'lopd-k16': dict(flags=['--K', '16'], cost=280),
+           'lopd-j3': dict(flags=['--J', '3'], cost=300),
+           'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),
+           'lopd-self': dict(flags=['--allow_same_task'], cost=280),
+           'lopd-offline': dict(flags=['--setup_free'], cost=300),
+           'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}))
+
+
+# ----------------------------------------------------------------------------- the baselines' step
 
 def teacher_phase(run, b):
     """Step 4: the teacher scores every agent token of every rollout, given its privileged context
     (the method's context builder; LOPD's is steps 2-3). A frozen or EMA teacher has no graph of its
     own, so only a context that carries one (LOPD's latents) is differentiable; a live teacher is θ
-    itself and runs without gradients. -> methods.Teacher, or None for a method without a teacher."""
+    itself and runs without gradients. -> Teacher, or None for a method without a teacher."""
     if run.method.context is None:  # a method without a teacher
         return None
     with torch.set_grad_enabled(run.teacher is not run.model):
-        ctx = methods.embed_context(run, run.method.context(run, b.eps))
+        ctx = embed_context(run, run.method.context(run, b.eps))
         keep = torch.tensor([p is not None for p in ctx])                        # (B,) no context: no teacher
-        return methods.Teacher(M.logits_on(run.teacher, methods.with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
+        return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
 
 
 def student_phase(run, b, teacher):
@@ -244,15 +328,15 @@ def student_phase(run, b, teacher):
 
 
 def train_step(run):
-    """One step of the chosen method on a fresh batch of episodes."""
+    """One step of a registered method (every one but LOPD, whose step is lopd_step) on a fresh batch:
+    rollout (or the method's own sampler) -> teacher_phase -> student_phase -> the method's after-step hook."""
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
         play = functools.partial(rollout, temperature=a.temperature)
         eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
-                                       play(run.model, run.tok, run.env, ts), tasks)
-        b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device),
-                          torch.tensor([e.reward for e in eps], device=run.device))
+                                             play(run.model, run.tok, run.env, ts), tasks)
+        b = Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps], device=run.device))
     run.episodes += len(eps)
     with run.timer('teacher'):
         teacher = teacher_phase(run, b)
@@ -265,6 +349,7 @@ def train_step(run):
     for k, v in logs.items():
         run.log.setdefault(k, []).append(v)
     run.step += 1
+
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -294,7 +379,7 @@ def evaluate(run):
             tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
             out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
-            prefixes = methods.with_default(run, methods.embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
+            prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
             teps = parallel.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
                                                        prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
@@ -305,12 +390,13 @@ def evaluate(run):
 EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
 
 
+
 # ----------------------------------------------------------------------------- main
 
 def build(args):
     """The run: model, warm-up, teacher, optimizer, the method's state; resumed, or evaluated
     at the base and set up (the first checkpoint)."""
-    method = methods.METHODS[args.method]
+    method = METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
     run.env = envs.make_env(args.env)
     try:
@@ -391,7 +477,7 @@ def main(argv=None):
         while spent() < args.episodes and not guard.stop(run.device):                # the loop
             before = run.episodes
             with run.autocast():
-                train_step(run)
+                (run.method.step or train_step)(run)                               # lopd_step for LOPD
             bar.update(run.episodes - before)
             if run.step % args.eval_every == 0 or spent() >= args.episodes:
                 with run.autocast():
@@ -413,6 +499,15 @@ def main(argv=None):
         sys.exit(130)
     print(bk.summarize(run))
 
+
+
+# ----------------------------------------------------------------------------- the plugins
+# The other methods and environments register themselves when imported: this list is the one place
+# they are named. A forker's file imports train, registers its own, and calls train.main().
+import plugins.baselines  # noqa: E402,F401  GRPO, OPSD, SDPO, SDFT, Skill-SD; Traj-text, LOPD's ablation
+import plugins.variants  # noqa: E402,F401  PSP, SOD, ACSD, VASPO
+import plugins.tooluse_v1  # noqa: E402,F401  --env tooluse-v1
+import plugins.codegen  # noqa: E402,F401  --env codegen
 
 if __name__ == '__main__':
     main()

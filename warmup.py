@@ -1,10 +1,15 @@
-"""The warm-up: the base every method starts from, built once and cached under runs/.
+"""Before training: the warm-up (the base every method starts from, built once and cached under
+runs/) and LOPD's cold start (its bank filled, φ pre-trained; cached per seed by bookkeeping).
 
 The tiny model starts from nothing, so before any method runs it is trained, supervised, on
 noisy-expert demos (envs.*.demo), and taught to read a privileged context as an
 instruction-tuned LLM can: 60% of its demos (--warmup_ctx) come with a context in one of the
 forms the methods' teachers are shown, followed by a demo that uses it (warmup_demo). Its
 tokenizer is learned offline from the same kind of text (tokenizer_texts, tokenizer.bpe_ranks).
+
+LOPD's cold start (cold_start, at the end): base rollouts fill the experience bank (counted toward
+the episode budget), then φ is pre-trained on the paper's objective, the frozen teacher's NLL of the
+bank's successes given the latents composed from their retrieved experiences.
 """
 import hashlib
 import json
@@ -12,22 +17,42 @@ import math
 import os
 import random
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-import bookkeeping as bk
 import envs
 import lopd
-import methods  # before lopd_method: methods imports it, so that LOPD is registered first
-import lopd_method
 import model as M
+import retrieval
 import tokenizer
+from plumbing import bookkeeping as bk
+from plumbing.registry import with_default
+from retrieval import experiences_text
 
 WARMUP_THREADS = 2
 
 
 # the forms of privileged context the warm-up teaches the base to read, with their share of the context demos
 CONTEXT_FORMS = {'solution': 0.2, 'this_task': 0.15, 'past': 0.3, 'unhelpful': 0.1, 'skill': 0.1, 'feedback': 0.15}
+
+
+def solution_text(task):
+    """This task's reference solution as a context (OPSD's 'answer' form)."""
+    return f'reference solution: {task.solution}\n'
+
+
+def skill_text(records):
+    """Skill-SD's summariser, as a deterministic template over a family's stored trajectories
+    [(text, reward, feedback)]: a success pattern, the commonest mistake, the workflow.
+    e.g. 'skill: success pattern: city(bo) -> oslo; answer oslo; mistakes: none seen;
+    workflow: 2 turns, the last one answers'."""
+    wins = [r for r in records if r[1] >= 1]
+    fails = [r[2] for r in records if r[1] < 1 and r[2]]
+    pattern = wins[-1][0] if wins else 'none yet'
+    mistake = max(fails, key=fails.count) if fails else 'none seen'   # a tie: the earliest (set order is hash-seeded)
+    turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
+    return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
 
 
 def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
@@ -53,24 +78,24 @@ def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
     others = lambda n: [envs.play(env, t, env.demo(t, rng, **env.reading_plan(t, rng))) for t in
                         (rng.choice(by_family[rng.choice([f for f in by_family if f != task.family])]) for _ in range(n))]
     if form == 'unhelpful':
-        return envs.play(env, task, env.demo(task, rng, noisy=True)), methods.experiences_text(map(pair, others(rng.randint(1, 3))))
+        return envs.play(env, task, env.demo(task, rng, noisy=True)), experiences_text(map(pair, others(rng.randint(1, 3))))
     ep = follow(task)
     if form == 'solution':
         return ep, f'reference solution: {env.trajectory_text(ep)}\n'
     if form == 'this_task':
-        return ep, methods.experiences_text([pair(follow(task))])
+        return ep, experiences_text([pair(follow(task))])
     if form == 'past':
         n = rng.randint(1, 3)
         same = [follow(t) for t in rng.sample(by_family[task.family], rng.randint(1, n))]
         shown = same + others(n - len(same))
         rng.shuffle(shown)
-        return ep, methods.experiences_text(map(pair, shown))
+        return ep, experiences_text(map(pair, shown))
     failed = next((f for f in (envs.play(env, task, env.demo(task, rng, noisy=True)) for _ in range(4)) if not f.success), None)
     if form == 'skill':
         wins = [follow(t) for t in rng.sample(by_family[task.family], rng.randint(1, 2))]
         records = [(env.trajectory_text(w), 1.0, w.feedback) for w in wins]
         records.insert(0, (env.trajectory_text(failed), 0.0, failed.feedback)) if failed else None
-        return ep, methods.skill_text(records)
+        return ep, skill_text(records)
     return ep, f'feedback: {failed.feedback}\n' if failed else f'reference solution: {env.trajectory_text(ep)}\n'
 
 
@@ -97,7 +122,7 @@ _TEXTS = {}
 
 def _tokenizer_texts(env, n):
     rng, (pool, by_family) = random.Random(4321), warmup_pool(env)
-    texts = [lopd_method.READING_FRAME]
+    texts = [retrieval.READING_FRAME]
     for t in rng.sample(pool, n):
         ep, ctx = warmup_demo(env, t, by_family, rng, 0.5)
         texts += [t.prompt, ctx or '', *(x for turn in ep.turns for x in turn)]
@@ -192,3 +217,104 @@ def merges(args, env):
     except OSError:
         pass
     return ranks
+
+
+# ----------------------------------------------------------------------------- LOPD's cold start
+
+def fill_bank(run, rollout):
+    """Before training: base rollouts fill the bank (they count toward the budget). -> all of them,
+    and the expert's demos it added, as (episode, body, agent mask)."""
+    a, rows = run.args, []
+    n = max(a.batch, 64)  # no gradient here: a bigger batch only decodes faster
+    for i in tqdm(range(0, a.init_episodes, n), desc='fill bank', dynamic_ncols=True):
+        with run.timer('rollout'):
+            tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
+            if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
+                eps, bodies, masks = expert_demos(run, tasks)
+            else:
+                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
+                if a.bank_source == 'pool':  # the expert covers the tasks the base failed
+                    d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
+                    eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]
+        run.episodes += len(tasks)  # the pool's demos of failed tasks are free, as OPSD's pool's are
+        retrieval.write_back(run, eps)
+        rows += list(zip(eps, bodies, masks))
+    return rows
+
+
+def expert_demos(run, tasks):
+    """The scripted expert's demo of each task, played out: -> (episodes, bodies, agent masks)."""
+    eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
+    encoded = [M.encode_episode(run.tok, e) for e in eps]
+    return eps, [body for body, _ in encoded], [mask for _, mask in encoded]
+
+
+def balanced_sample(rng, rows, n):
+    """n rows drawn family first (uniform over the families present), then a row of that family:
+    the base's successes are mostly families it already solves, and the rare ones must not drown."""
+    by = {}
+    for r in rows:
+        by.setdefault(r[0].task.family, []).append(r)
+    fams = sorted(by)
+    return [rng.choice(by[rng.choice(fams)]) for _ in range(n)]
+
+
+def cold_start_nll(run, ctx, ids, amask, attn):
+    """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
+    composed from their retrieved experiences."""
+    keep = torch.tensor([p is not None for p in ctx], device=run.device)
+    logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
+    return lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
+
+
+def cold_start_text(run, ctx, ids, amask, attn):
+    """Text-to-latent distillation: the latents must make the teacher act as the same retrieved
+    experiences shown as text do, KL(π_θ0(·|experiences as text) ‖ π_θ0(·|latents)) on every
+    agent token of any stored rollout, success or failure (the text teacher knows the right
+    next call after a wrong one too)."""
+    keep = torch.tensor([p is not None for p in ctx], device=run.device)
+    with torch.no_grad():
+        text = M.text_prefix(run.teacher, run.tok, [retrieval.bank_text(f) for f in ctx.found])
+        logits_text = M.logits_on(run.teacher, text, ids, attn, run.args.score_chunk)
+    logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
+    return lopd.masked_mean(lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask))
+
+
+COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
+
+
+def cold_start(run, rollout):
+    """Fill the bank with base rollouts, then pre-train φ (COLD_STARTS: the paper's NLL of the
+    successes, or text-to-latent distillation on every rollout), family-balanced by default.
+    The bank does not change during the cold start, so each row's retrieval and its frozen
+    reading are made once, not at every step (the reading was half of a step's time)."""
+    a, s = run.args, run.state
+    rows = fill_bank(run, rollout)
+    rows = [r for r in rows if r[0].success] if a.cold_start == 'nll' else rows
+    with run.timer('cold_start'):
+        rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
+    opt = torch.optim.AdamW(retrieval.phi_params(s['composer'], s['reader']), lr=a.lr_cold_start or a.lr or run.method.lr)  # its own stage
+    for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
+        with run.timer('cold_start'):
+            pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
+                run.rng.sample(rows, min(32, len(rows)))
+            eps, bodies, masks, found, read0 = zip(*pick)
+            ctx = retrieval.latents(run, eps, grad=True, found=list(found), read0=torch.cat(read0))
+            loss = COLD_STARTS[a.cold_start](run, ctx, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
+            bk.optimizer_step(run, opt, loss, retrieval.phi_params(s['composer'], s['reader']))
+        bar.set_postfix(loss=f'{loss.item():.3f}')
+    s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
+    if s['reader'] is not None:
+        s['reader0'].load_state_dict(s['reader'].state_dict())
+
+
+@torch.no_grad()
+def frozen_reading(run, rows):
+    """-> per row (what it retrieves, its frozen reading, as composer.read keeps it), as compose would make them."""
+    tasks = [r[0].task for r in rows]
+    found = retrieval.retrieve(run, tasks)
+    if not any(found):
+        return [(f, torch.zeros(0, run.args.K, run.model.get_input_embeddings().weight.shape[1], device=run.device))
+                for f in found]
+    read0 = retrieval.reading(run, tasks, found, run.state['reader0'] or run.teacher).split([len(f) for f in found])
+    return list(zip(found, read0))

@@ -1,152 +1,28 @@
-"""The methods: what each one's teacher is shown, how its student learns, what it keeps.
+"""The baselines LOPD is compared against, one block each, registered by name.
 
-train.py runs every method through the same steps (its docstring numbers them):
-
-    rollout -> teacher_phase -> student_phase -> after_step
-    (method.sample) method.context  method.loss     method.after_step
-
-A method is one `Method(...)` record, registered by name in METHODS. Its block holds
-everything that is its own: the context builder (pure: evaluation calls it too, so it may
-read but never change state), its loss, its state (created by `state`, saved in ckpt.pt
-and restored whatever it holds), a one-time `setup`, an `after_step` hook, the flags only it
-reads, and its bench entries and tuning grid. This file holds the registry, the pieces the
-methods share and the baselines (GRPO, OPSD, SDPO, SDFT, Skill-SD); LOPD and its ablation
-Traj-text are in lopd_method.py, the four variants in variants.py. A forker adds a method by
-registering one more record from a file of their own (tests/fork_variant.py does).
+GRPO, OPSD, SDPO, SDFT and Skill-SD, each as the LOPD paper ran it (its App. B), and Traj-text,
+LOPD's ablation that shows the same retrieved experiences as text. Each block holds what the
+method owns: what its teacher is shown (a context builder), its loss, its state and setup, its own
+flags and its bench entries. They run through train.train_step (plumbing/registry.py says how);
+LOPD's own step is train.lopd_step. train.py imports this file, which registers them.
 
 References (papers, and the public code our baselines follow): GRPO, Shao et al. 2024
 (DeepSeekMath); OPSD (siyan-zhao/OPSD); SDPO (lasgroup/SDPO); SDFT (idanshen/Self-Distillation);
-Skill-SD, Wang et al. 2026 (arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 2608.13040,
-bingreeky/LOPD).
+Skill-SD, Wang et al. 2026 (arXiv 2604.10674); LOPD, Zhang et al. 2026 (arXiv 2608.13040).
 """
 import math
 import random
-from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 import lopd
-import model as M
-from bookkeeping import arg
-
-
-@dataclass
-class Batch:
-    """One step's rollouts, as every hook receives them."""
-    eps: list              # B envs.Episode
-    ids: torch.Tensor      # (B, T) the trajectories' tokens, right-padded
-    amask: torch.Tensor    # (B, T) 1 on tokens the agent generated
-    attn: torch.Tensor     # (B, T) 1 on real tokens
-    reward: torch.Tensor   # (B,) graded, in [0, 1] (1 = success: every check passed)
-
-
-@dataclass
-class Teacher:
-    """What train.teacher_phase hands the loss and the after-step hook."""
-    logits: torch.Tensor   # (B, T, V) π_T(· | c, x, y<t) at every position of every trajectory (a lopd.Logits
-                           # with --score_chunk: read it, as logits_s, through lopd's functions or lopd.per_position)
-    keep: torch.Tensor     # (B,) bool: False where the method gave the rollout no context (masked out)
-    context: list          # what method.context returned (LOPD's also carries z, z0 and what was retrieved)
-
-
-class Prefixes(list):
-    """A context builder's answer: one teacher context (a text or an embedded (P_i, d)) per rollout, or None for a rollout
-    that gets no teacher, plus, as attributes, whatever else the same pass made that a loss or
-    hook needs (LOPD: the latents z with φ's graph, their cold-start z0, what was retrieved)."""
-
-    def __init__(self, prefixes, **extra):
-        super().__init__(prefixes)
-        self.__dict__.update(extra)
-
-
-@dataclass
-class Method:
-    """One on-policy method. Every field is a keyword; only `loss` is required."""
-    loss: Callable                       # (run, batch, logits_s, teacher) -> scalar loss for θ
-    context: Optional[Callable] = None   # (run, episodes) -> per rollout a text, an embedded prefix, or None (no teacher); pure
-    sample: Optional[Callable] = None    # (run, tasks, rollout) -> the batch's (eps, bodies, masks) (None: rollout of θ, no context)
-    teacher: str = 'frozen'              # the teacher's weights: 'frozen' θ0, 'ema' of θ, 'live' θ, or 'none'
-    divergence: str = 'rkl'              # D of the distillation loss, unless --divergence says otherwise
-    group: int = 1                       # rollouts per task in a batch
-    lr: float = 1e-3                     # student learning rate, unless --lr says otherwise
-    ema_rate: float = 0.05               # rate of an EMA teacher, unless --ema_rate says otherwise
-    state: Callable = lambda run: {}     # (run) -> dict of the method's own state (anything with state_dict, or plain data)
-    setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
-    after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
-    flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
-    bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
-    #                                            method's own entry knob=[flags]: another setting of its key knob, which
-    #                                            bench.py --tune tries beside the learning rate ×1/3, ×1, ×3
-
-
-METHODS: dict = {}
-
-
-def register(name, method):
-    """Add a method under a name (bench's entry of the same name is added unless it has one)."""
-    method.bench = method.bench or {name: {}}
-    METHODS[name] = method
-    return method
-
-
-def readers(flag):
-    """The methods that read a method flag, e.g. 'J' -> ['lopd', 'trajtext']."""
-    return [n for n, m in METHODS.items() if flag in m.flags]
-
-
-# ----------------------------------------------------------------------------- shared pieces
-
-def solution_text(task):
-    return f'reference solution: {task.solution}\n'
-
-
-def experiences_text(pairs):
-    """Past experiences [(task prompt, trajectory text)] as one context: 'past: quandle bo: team(bo) -> red; …\n
-    city of ed: city(ed) -> oslo; answer oslo\n' (each line starts with a space, so it tokenizes alone).
-    Each trajectory carries its task, so that a reader can tell which of them is about this task's family."""
-    return 'past:' + ''.join(experience_line(task, traj) + '\n' for task, traj in pairs)
-
-
-def experience_line(task, traj):
-    """One experience as a line of the context, without its newline (LOPD's reader reads the same line)."""
-    return f' {task}: {traj}'
-
-
-def bank_text(found):
-    """Retrieved bank entries as one text context (Traj-text's, and LOPD's text-to-latent cold start's)."""
-    return experiences_text([(m.task, m.text) for m in found])
-
-
-def embed_context(run, ctx):
-    """A context builder's answer, ready for the teacher: text becomes <|bos|><|ctx|> text embedded by
-    the teacher (M.text_prefix); an embedded prefix (P, d) and None (no teacher) pass through."""
-    out = [M.text_prefix(run.teacher, run.tok, [c])[0] if isinstance(c, str) else c for c in ctx]
-    return Prefixes(out, **vars(ctx)) if isinstance(ctx, Prefixes) else out
-
-
-def with_default(run, prefixes):
-    """None (no context for this rollout) -> the context-free <|bos|> prefix."""
-    return [p if p is not None else M.bos_prefix(run.teacher, run.tok, 1)[0] for p in prefixes]
-
-
-DISTILL_FLAGS = {  # read by every method whose loss is the distillation loss
-    'divergence': arg('', "distillation divergence D ('' = the method's)", choices=['rkl', 'fkl', 'jsd'], after_setup=True),
-    'topk': arg(0, 'distil over the teacher top-k + one tail bucket (0 = full vocabulary)', lo=0, after_setup=True),
-    'epochs': arg(1, 'student updates on each batch of rollouts, all toward the teacher scores computed once '
-                  '(a fixed target: no ratio to correct, unlike a policy gradient)', lo=1, after_setup=True),
-}
-TEACHER_FLAGS = {  # the baselines' teacher may be swapped (LOPD's composer is trained against θ0 only)
-    'teacher': arg('', "the teacher's weights ('' = the method's)", choices=['frozen', 'ema', 'live'], after_setup=True),
-    'ema_rate': arg(0.0, "rate of an EMA teacher: θ_T ← (1 − rate) θ_T + rate θ (0 = the method's: SDPO 0.05, SDFT 0.01)",
-                    lo=0, hi=1, after_setup=True),
-}
-def distill(run, b, logits_s, teacher):
-    """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A| over the rollouts that got a teacher."""
-    mask = b.amask * teacher.keep[:, None].to(b.amask)
-    return lopd.distill_loss(logits_s, teacher.logits, mask, run.args.divergence or run.method.divergence, run.args.topk)
+import retrieval
+import warmup
+from plumbing.bookkeeping import arg
+from plumbing.registry import DISTILL_FLAGS, TEACHER_FLAGS, Method, Prefixes, distill, register
+from retrieval import experiences_text
+from warmup import skill_text, solution_text
 
 
 def grpo_loss(run, b, logits_s, teacher=None, eps_hi=0.2):
@@ -155,10 +31,24 @@ def grpo_loss(run, b, logits_s, teacher=None, eps_hi=0.2):
     return lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(b.reward, run.method.group), b.amask, 0.2, eps_hi)
 
 
-# ----------------------------------------------------------------------------- LOPD (Zhang et al. 2026)
-# LOPD's steps, and its ablation Traj-text, are in lopd_method.py, in the paper's step order;
-# imported here, so that it is the first method registered (and listed).
-import lopd_method  # noqa: E402,F401
+# ----------------------------------------------------------------------------- Traj-text (LOPD ablation)
+
+def trajtext_context(run, eps):
+    """Traj-text: LOPD's retrieved experiences, shown to the frozen base as text."""
+    found = retrieval.retrieve(run, [e.task for e in eps], other_family=run.args.retrieval == 'other')
+    return Prefixes([retrieval.bank_text(f) for f in found], found=found)
+
+
+def trajtext_after_step(run, b, logits_s, teacher):
+    logs = {'family_hit': retrieval.family_hit(run, b.eps, teacher.context.found)}
+    retrieval.write_back(run, b.eps)
+    return logs
+
+
+register('trajtext', Method(distill, context=trajtext_context, teacher='frozen', group=1, lr=1e-3,
+                            state=lambda run: {'bank': retrieval.new_bank(run)}, setup=warmup.fill_bank, after_step=trajtext_after_step,
+                            flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **retrieval.BANK_FLAGS},
+                            bench={'trajtext': dict(knob=['--J', '3'], cost=430)}))
 
 
 # ----------------------------------------------------------------------------- GRPO (Shao et al. 2024)
@@ -284,20 +174,8 @@ register('sdft', Method(distill, context=sdft_context, teacher='ema', divergence
 # trajectories of the task's family. A family's arms are skills built on its 3 latest
 # successes; UCB1 picks one per family. The student's rollouts never see a skill, so an arm can
 # only be judged by what it did: the arm that shaped step t's update is credited with the
-# family's success in the rollouts of its next appearance, sampled after that update.
-
-def skill_text(records):
-    """Skill-SD's summariser, as a deterministic template over a family's stored trajectories
-    [(text, reward, feedback)]: a success pattern, the commonest mistake, the workflow.
-    e.g. 'skill: success pattern: city(bo) -> oslo; answer oslo; mistakes: none seen;
-    workflow: 2 turns, the last one answers'."""
-    wins = [r for r in records if r[1] >= 1]
-    fails = [r[2] for r in records if r[1] < 1 and r[2]]
-    pattern = wins[-1][0] if wins else 'none yet'
-    mistake = max(fails, key=fails.count) if fails else 'none seen'   # a tie: the earliest (set order is hash-seeded)
-    turns = round(float(np.mean([r[0].count(';') + 1 for r in wins]))) if wins else '?'
-    return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
-
+# family's success in the rollouts of its next appearance, sampled after that update. Its summariser,
+# skill_text, is in warmup.py: the warm-up teaches the base to read a skill, as it reads every context form.
 
 def arms(records):
     """A family's arms: the indices of its 3 latest successes (one arm, all records, before any)."""
@@ -356,7 +234,3 @@ register('skillsd', Method(
     flags={**TEACHER_FLAGS, 'k3_coef': arg(0.001, 'weight λ of the importance-weighted k3 term', lo=0, after_setup=True)},
     bench={'skillsd': dict(knob=['--k3_coef', '0.01'], cost=290)}))
 
-
-# ----------------------------------------------------------------------------- the variants
-# PSP, SOD, ACSD and VASPO are registered from a file of their own, as a forker's file would be.
-import variants  # noqa: E402,F401

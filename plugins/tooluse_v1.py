@@ -4,6 +4,7 @@ interface every environment speaks)."""
 import functools
 import random
 
+import envs
 from envs import CALL, MAX_ACTION_CHARS, NAMES, TEAMS, Episode, Step, Task
 
 
@@ -205,3 +206,6 @@ class ToolUseV1:
         if a.startswith('answer '):
             return 'answer' if any(CALL.match(b) for b, _ in ep.turns[:i]) else 'blind answer'
         return 'call' if CALL.match(a) else 'malformed'
+
+
+envs.ENVS['tooluse-v1'] = ToolUseV1

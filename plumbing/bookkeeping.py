@@ -17,6 +17,7 @@ Nothing here knows a method by name: a method's state is saved and restored what
 """
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import math
@@ -31,11 +32,11 @@ import numpy as np
 import torch
 
 import model as M
-from parallel import OutOfSync, any_rank, pick_device, writer
+from plumbing.parallel import OutOfSync, any_rank, pick_device, writer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-MODULES = ['bookkeeping.py', 'codegen.py', 'envs.py', 'lopd.py', 'lopd_method.py', 'methods.py', 'model.py', 'parallel.py',
-           'retrieval.py', 'sandbox.py', 'tokenizer.py', 'tooluse_v1.py', 'train.py', 'variants.py', 'warmup.py']
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULES = [os.path.relpath(p, ROOT) for folder in ('', 'plumbing', 'plugins')              # what a run executes
+           for p in glob.glob(os.path.join(ROOT, folder, '*.py'))]
 
 
 def fingerprint(files=()):
@@ -50,7 +51,7 @@ CODE = fingerprint()  # in config.json, summary.json, ckpt.pt: bench.py reruns a
 def code_of(method):
     """The fingerprint of a run of this method: the repo's modules plus the files its hooks come
     from (a method registered from outside the repo, e.g. tests/fork_variant.py)."""
-    hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step]
+    hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step, method.step]
     return fingerprint([f for f in (getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None)
                                     for h in hooks if h) if f])
 

@@ -1,5 +1,5 @@
 """Four variants, added as forks: each block is what a forker's own file would hold, registered
-from outside methods.py (methods.py imports this file, so they are always there).
+from outside the baselines' file (train.py lists this file among the plugins it imports).
 
 PSP (Privileged Self-Practice), SOD (Zhong et al. 2026, arXiv 2605.07725), ACSD
 (activation-conditioned self-distillation), VASPO (privileged value estimation with PPO). Where a
@@ -10,9 +10,9 @@ from tqdm import tqdm
 
 import lopd
 import model as M
-from bookkeeping import arg, die, optimizer_step
-from methods import (DISTILL_FLAGS, OPSD_FLAGS, TEACHER_FLAGS, Batch, Method, build_pool, distill, grpo_loss,
-                     opsd_context, pool_state, register)
+from plugins.baselines import OPSD_FLAGS, build_pool, grpo_loss, opsd_context, pool_state
+from plumbing.bookkeeping import arg, die, optimizer_step
+from plumbing.registry import DISTILL_FLAGS, TEACHER_FLAGS, Batch, Method, distill, register
 
 
 # ----------------------------------------------------------------------------- PSP (Privileged Self-Practice)

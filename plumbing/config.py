@@ -1,0 +1,91 @@
+"""The command line: train.Args plus every registered method's own flags, as one config.
+
+`-h` shows the flags in groups (the run, the model and warm-up, then each set of methods' own
+flags); a bad flag or value is one line on stderr and exit status 2, never a traceback.
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+import envs
+from plumbing import bookkeeping as bk
+from plumbing import parallel
+from plumbing.bookkeeping import die
+from plumbing.registry import METHODS, readers
+
+
+def config_class(Args):
+    """Args plus every registered method's own flags: the one config a run saves."""
+    own = {}
+    for m in METHODS.values():
+        for k, f in m.flags.items():
+            own.setdefault(k, f)
+    return dataclasses.make_dataclass('Config', [(k, type(f.default), dataclasses.field(default=f.default, metadata=f.metadata))
+                                                 for k, f in own.items()], bases=(Args,))
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        die(message)
+
+
+def parse_args(Args, argv=None, description=''):
+    """--flags -> the config (the saved one, when resuming)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    Config = config_class(Args)
+    p = Parser(description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups = {}
+    for f in dataclasses.fields(Config):
+        title = f.metadata['group'] or 'only for ' + ', '.join(readers(f.name))
+        g = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
+        choices = f.metadata['choices']
+        choices = choices() if callable(choices) else choices  # a registry's names, read once the plugins are in
+        kw = dict(action='store_true') if f.type is bool else dict(type=f.type, default=f.default, choices=choices)
+        g.add_argument(f'--{f.name}', help=f.metadata['help'], **kw)
+    a = Config(**vars(p.parse_args(argv)))
+    given = {t[2:].split('=')[0] for t in argv if t.startswith('--')}
+    for k, v in envs.ENVS[a.env].defaults.items():  # the environment's own defaults, where a flag is not given
+        if k not in given:
+            setattr(a, k, v)
+    if a.lora_r < 0:
+        a.lora_r = 16 if a.model else 0
+    if a.score_chunk < 0:
+        a.score_chunk = 256 if a.model else 0
+    if a.export:
+        a.resume = a.resume or a.export
+    check_args(a, given)
+    return bk.resume_config(a, argv, Config) if a.resume else a
+
+
+def check_args(a, given):
+    """What argparse's choices and the fields' ranges do not cover (given: the flags on the command
+    line): one line each, exit status 2."""
+    bk.check_ranges(a)
+    m = METHODS[a.method]
+    for k in sorted(given - set(m.flags)):
+        if readers(k):
+            die(f'--{k} applies to {", ".join(readers(k))} only, not {a.method}')
+    for f in dataclasses.fields(a):  # e.g. --margin without --composer_phase would be read by nothing
+        if f.name in given and f.metadata.get('needs') and not getattr(a, f.metadata['needs']):
+            die(f'--{f.name} acts only with --{f.metadata["needs"]}')
+    if a.batch % m.group:
+        die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
+    ranks = int(os.environ.get('WORLD_SIZE', 1))
+    if a.batch % (m.group * ranks):
+        die(f'--batch {a.batch} must be a multiple of the group size {m.group} × {ranks} ranks, so every rank rolls out whole groups')
+    if a.resume and not os.path.exists(a.resume):
+        die(f'--resume path does not exist: {a.resume}')
+    if a.device == 'cuda' and not torch.cuda.is_available():
+        die('--device cuda asked for, but torch sees no CUDA device')
+    kind = parallel.pick_device(a.device).type
+    if a.dtype == 'bf16' and (kind == 'mps' or kind == 'cuda' and not torch.cuda.is_bf16_supported()):
+        die(f'--dtype bf16 is not supported on this {kind} device; use --dtype fp32')
+    local = os.path.expanduser(a.model)
+    if a.model.startswith(('.', '/', '~')) and not (os.path.isdir(local) or local.endswith('.gguf') and os.path.isfile(local)):
+        die(f'--model {a.model}: no such folder' + (' or file' if local.endswith('.gguf') else ''))
+    if os.path.exists(a.out_dir) and not os.path.isdir(a.out_dir):
+        die(f'--out_dir {a.out_dir} is a file, not a folder')
+
