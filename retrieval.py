@@ -111,9 +111,9 @@ class ExperienceBank:
     The matrix grows on add() and is never recomputed, so a search is one matrix product.
     allow_same_task=False (our default; the paper allows it) stops a query from getting its
     own task instance back, so a latent can never just carry this task's answer.
-    doc_trajectory=True embeds "task \n trajectory" as the document (the paper, with a
-    trained query/document embedding model); our default embeds the task alone, like the
-    query: a bag of char n-grams has no query/document asymmetry, and the trajectory's
+    Our default embeds the task alone, as the authors' code does (their bank indexes the
+    instruction); doc_trajectory=True embeds "task \n trajectory" as the document, which we
+    measured and do not use: a bag of char n-grams has no query/document asymmetry, and the trajectory's
     n-grams only dilute the task's. Measured on tool use (600 expert trajectories, 250
     held-out queries, J = 3): same-family retrieval 0.90 with the trajectory, 0.94 without,
     and "manager of X" got "manager of manager of X" in 80% of its retrievals with it (the

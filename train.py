@@ -293,7 +293,7 @@ register('lopd', Method(
            'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),
            'lopd-self': dict(flags=['--allow_same_task'], cost=280),
            'lopd-offline': dict(flags=['--setup_free'], cost=300),
-           'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}))
+           'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}), first=True)
 
 
 # ----------------------------------------------------------------------------- the baselines' step

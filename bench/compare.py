@@ -1,8 +1,8 @@
 """Compare every method on one environment: several seeds, one base, one episode budget.
 
-    python bench.py --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
-    python bench.py --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
-    python bench.py --env tooluse --tune     # lr ×1/3, ×1, ×3 and a knob per method on seed 0 -> compare-tooluse/tuning.json
+    python -m bench --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
+    python -m bench --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
+    python -m bench --env tooluse --tune     # lr ×1/3, ×1, ×3 and a knob per method on seed 0 -> compare-tooluse/tuning.json
 
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
 output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed
@@ -21,11 +21,9 @@ teacher and wall time, LOPD's diagnostics, the families the base solves, and wha
 hides: the held-out action types, the student's entropy and action length (actions.png). --teacher_gap and
 --memory (gap.py) train nothing.
 """
-import argparse
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import re
@@ -38,92 +36,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-import gap  # the reports that train nothing: --teacher_gap, --memory
-import methods  # the registry: the entries, tuning grids and costs all come from it
-import report  # what a compare writes: rows with intervals, tables, curves
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-# entry -> train.py flags: every method's own entry first, then the ablations (methods.py, Method.bench)
-_BENCH = sorted(((e, name, b) for name, m in methods.METHODS.items() for e, b in m.bench.items()),
-                key=lambda x: x[0] not in methods.METHODS)
-ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
-# --quick: the quick entries × 3 seeds, 1024 episodes, evaluated every 256 episodes (at the default batch of 16) on 500 tasks
-QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
-QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
-# --tune: the same grid for every method, its learning rate ×1/3, ×1, ×3 and one other setting of its key
-# knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
-# noise on seed 0 and again on CONFIRM_SEED (report.choose_setting). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
-def tuning_grid(name, m):
-    """[default, lr / 3, lr × 3, the knob's other setting] (each a list of train.py flags)."""
-    lr = lambda x: ['--lr', f'{x:.0e}'.replace('e-0', 'e-')]  # 1e-3 / 3 -> 3e-4
-    knob = m.bench.get(name, {}).get('knob')
-    return [[], lr(m.lr / 3), lr(m.lr * 3)] + ([knob] if knob else [])
-
-
-TUNE = {name: tuning_grid(name, m) for name, m in methods.METHODS.items()}
-CONFIRM_SEED = 100  # the second validation seed, where a setting that beat the default on seed 0 runs again beside it
-# seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
-COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
-OWN = ('--method', '--seed', '--name', '--resume')  # set by bench.py per run, never forwarded
-
-
-def die(msg):
-    print(f'bench.py: error: {msg}', file=sys.stderr)
-    sys.exit(2)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        die(message)
-
-
-def method_of(entry):
-    f = ENTRIES[entry]
-    return f[f.index('--method') + 1]
-
-
-# ----------------------------------------------------------------------------- planning runs
-
-def train_args(flags):
-    """train.py's own parser on these flags -> its Args; a bad flag is bench's one-line error."""
-    import train  # slow (torch), so only once the bench's own arguments are known good
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return train.parse_args(flags)
-    except SystemExit:
-        die(f"train.py rejects `{' '.join(flags)}`: {err.getvalue().strip().removeprefix('train.py: error: ')}")
-
-
-def for_method(flags, method):
-    """Drop the flags (and their values) that the method does not read: a compare forwards e.g.
-    --cold_start_steps to every entry, and only the runs of methods that have it take it."""
-    import train
-    bools = {f.name for f in dataclasses.fields(train.config_class()) if f.type is bool}
-    foreign = {k for m in methods.METHODS.values() for k in m.flags} - set(methods.METHODS[method].flags)
-    out, i = [], 0
-    while i < len(flags):
-        name = flags[i][2:].split('=')[0] if flags[i].startswith('--') else None
-        n = 1 if name is None or name in bools or '=' in flags[i] else 2
-        out += [] if name in foreign else flags[i:i + n]
-        i += n
-    return out
-
+import train
+from bench import gap  # the reports that train nothing: --teacher_gap, --memory
+from bench import report  # what a compare writes: rows with intervals, tables, curves
+from bench.entries import (CONFIRM_SEED, COST, ENTRIES, OWN, QUICK_ENTRIES, QUICK_FLAGS, ROOT, TUNE, Parser, die,
+                           for_method, method_of, train_args)
+from plumbing import bookkeeping
+from plumbing.registry import METHODS
 
 def plan(prefix, entry, own, flags, env, seed, label=''):
     """One run: its name and train.py flags. `own` = the entry's flags, `flags` = everything.
     The name has the budget and, if `flags` change anything beyond `own`, a hash of that."""
-    import bookkeeping
-    import train
     flags = for_method(flags, method_of(entry))
     args = train_args(flags + ['--env', env])
     a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(args)
     diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device'))
     tag = '-' + hashlib.sha1(json.dumps(diff).encode()).hexdigest()[:6] if diff else ''
     name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
-    shared = methods.METHODS[args.method].setup and bookkeeping.setup_key(dataclasses.replace(args, seed=seed), '', train.CODE)
+    shared = METHODS[args.method].setup and bookkeeping.setup_key(dataclasses.replace(args, seed=seed), '', train.CODE)
     return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env],
             'setup': shared or None}
 
@@ -131,7 +61,6 @@ def plan(prefix, entry, own, flags, env, seed, label=''):
 def status(run_dir, budget):
     """'done' (summary.json at the budget), 'resume' (a checkpoint to continue), 'new', or
     'stale' (made by other code: train.CODE differs; it is run again from scratch)."""
-    import train
     cfg = report.read_json(os.path.join(run_dir, 'config.json'))
     if cfg is not None and cfg.get('code') != train.CODE:
         return 'stale'
@@ -234,7 +163,7 @@ def run_all(runs, out_dir, log_dir, jobs):
 # ----------------------------------------------------------------------------- main
 
 def parse(argv):
-    p = Parser(description=__doc__.split('\n')[0], allow_abbrev=False,  # --seed must not abbreviate --seeds
+    p = Parser(prog='python -m bench', description=__doc__.split('\n')[0], allow_abbrev=False,  # --seed must not abbreviate --seeds
                epilog='Other --flag value pairs are forwarded to train.py for every run.')
     p.add_argument('--env', default='tooluse', help='environment (train.py --env)')
     p.add_argument('--methods', default='', help=f"comma-separated entries of {', '.join(ENTRIES)} "
@@ -268,7 +197,7 @@ def parse(argv):
         extras += [f'--{k}'] if v.lower() == 'true' else [] if v.lower() == 'false' else [f'--{k}', v]
     bad = [t for t in extras if t.split('=')[0] in OWN]
     if bad:
-        die(f'{bad[0]} is set by bench.py per run (use --methods / --seeds)')
+        die(f'{bad[0]} is set by bench per run (use --methods / --seeds)')
     o.entries = [e for e in (o.methods or ','.join(QUICK_ENTRIES if o.quick else ENTRIES)).split(',') if e]
     unknown = [e for e in o.entries if e not in ENTRIES and not (o.teacher_gap and e in gap.GAP_EXTRA)]
     if unknown:
@@ -316,7 +245,7 @@ def main(argv=None):
                 for e in o.entries for s in o.seeds]
     os.makedirs(cmp_dir, exist_ok=True)  # only now: every run's flags passed train.py's checks
     launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
-    command = 'python bench.py ' + ' '.join(sys.argv[1:] if argv is None else argv)
+    command = 'python -m bench ' + ' '.join(sys.argv[1:] if argv is None else argv)
     meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
             'commit': commit, 'code': train_code(), 'failed': failed, **machine(), 'wall_s': round(time.time() - t0),
             'runs': len(runs), 'launched': len(launched)}
@@ -374,7 +303,6 @@ def machine():
 
 
 def train_code():
-    import train
     return train.CODE
 
 

@@ -1,4 +1,4 @@
-"""bench.py's two reports that train nothing: --teacher_gap (every teacher's success with its context
+"""bench's two reports that train nothing: --teacher_gap (every teacher's success with its context
 before training, beside its student's, and the privileged-information utility statistics) and
 --memory (one distillation step's peak memory at a real vocabulary, chunked and not; LoRA's)."""
 import json
@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 
-import bench  # the entries, and train.py's checks of a run's flags
-import methods
-import lopd_method  # noqa: E402 (after methods, which imports it)
-from report import fmt, read_json
+import retrieval
+import train
+from bench.entries import ENTRIES, ROOT, die, for_method, method_of, train_args
+from bench.report import fmt, read_json
+from plumbing.registry import METHODS, embed_context, with_default
 
 
 # ----------------------------------------------------------------------------- the teacher-gap report
@@ -29,19 +30,19 @@ def gap_rows(run, rollout, tasks):
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
     m = run.args.method
-    ctx = list(methods.embed_context(run, run.method.context(run, eps)))[::G]
+    ctx = list(embed_context(run, run.method.context(run, eps)))[::G]
     contexts = {m: ctx,  # and two controls (OP²SD's): another family's task's context, and the frame left empty
                 f'{m}-donor': [ctx[j] if j is not None else None for j in donors(tasks)],
-                f'{m}-empty': methods.embed_context(run, [''] * len(tasks))}
-    others = lambda: lopd_method.retrieve(run, [e.task for e in eps[::G]], other_family=True)
+                f'{m}-empty': embed_context(run, [''] * len(tasks))}
+    others = lambda: retrieval.retrieve(run, [e.task for e in eps[::G]], other_family=True)
     if m == 'lopd':
-        contexts['lopd-control'] = lopd_method.latents(run, eps[::G], grad=False, found=others())
+        contexts['lopd-control'] = retrieval.latents(run, eps[::G], grad=False, found=others())
     if m == 'trajtext':  # the same control as text: what other families' experiences tell
-        contexts['trajtext-control'] = methods.embed_context(run, [methods.bank_text(f) for f in others()])
+        contexts['trajtext-control'] = embed_context(run, [retrieval.bank_text(f) for f in others()])
     out = {}
     with torch.no_grad():
         for name, ctx in contexts.items():
-            teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=methods.with_default(run, ctx))[0]
+            teps = rollout(run.teacher, run.tok, run.env, tasks, greedy=True, prefixes=with_default(run, ctx))[0]
             out[name] = ([e.reward for e in teps], float(np.mean([p is not None for p in ctx])),
                          pi_utility(run, eps[::G], bodies[::G], masks[::G], ctx))
     return out
@@ -64,7 +65,7 @@ def pi_utility(run, eps, bodies, masks, ctx, rows=50):
     per = []
     for i in range(0, len(eps), rows):
         ids, amask, attn = M.pad_batch(bodies[i:i + rows], masks[i:i + rows], run.tok.pad, run.device)
-        logits_t = M.logits_on(run.teacher, methods.with_default(run, ctx[i:i + rows]), ids, attn, run.args.score_chunk)
+        logits_t = M.logits_on(run.teacher, with_default(run, ctx[i:i + rows]), ids, attn, run.args.score_chunk)
         logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, ids.shape[0]), ids, attn, run.args.score_chunk)
         d = lopd.divergence(logits_s, logits_t, 'rkl')
         per += ((d * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
@@ -92,8 +93,8 @@ def gap_row(entry, table):
     """The teacher-gap row of a compare entry: its own, its control's, or else its method's if the
     entry's flags leave the step-0 teacher as the method's (lopd-phase: lopd's; lopd-k16: none). -> name or None."""
     row = entry if entry in table else CONTROL_ROWS.get(entry)
-    if row is None and entry in bench.ENTRIES and not STEP0_FLAGS & set(bench.ENTRIES[entry]):
-        row = bench.method_of(entry)
+    if row is None and entry in ENTRIES and not STEP0_FLAGS & set(ENTRIES[entry]):
+        row = method_of(entry)
     return row if row in table else None
 
 
@@ -161,22 +162,21 @@ def predictive_law(cmp_dir, table, n_boot=2000, seed=0, level=0.95, keep=lambda 
 
 
 def teacher_gap(o, out_dir, cmp_dir):
-    """bench.py --teacher_gap: for every method with a teacher (and LOPD's variants in GAP_EXTRA), build
+    """bench --teacher_gap: for every method with a teacher (and LOPD's variants in GAP_EXTRA), build
     its run (warm-up, base evaluation, setup: LOPD's cold start) and measure gap_rows on the first
     --gap_tasks held-out tasks. -> teacher_gap.md / .json in the compare folder."""
     import torch
     import bookkeeping
-    import train
     t0, rows, student = time.time(), {}, None
-    entries = {m: ['--method', m] for m, x in methods.METHODS.items() if x.context and (not o.methods or m in o.entries)}
+    entries = {m: ['--method', m] for m, x in METHODS.items() if x.context and (not o.methods or m in o.entries)}
     entries.update({k: v for k, v in GAP_EXTRA.items() if not o.methods or k in o.entries})
     for entry, own in entries.items():
         m = own[own.index('--method') + 1]
         # forwarded --eval_tasks / --teacher_eval win over the report's: they are part of a setup's cache key,
         # so a compare's own values (and its one thread per run) reuse its seed's cached setups
-        flags = (['--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0'] + bench.for_method(o.extras, m) + own
+        flags = (['--eval_tasks', str(o.gap_tasks), '--teacher_eval', '0'] + for_method(o.extras, m) + own
                  + ['--env', o.env, '--out_dir', out_dir, '--name', f'gap-{entry}-{o.env}', '--overwrite', '--seed', str(o.gap_seed)])
-        args = bench.train_args(flags)
+        args = train_args(flags)
         bookkeeping.claim_run_dir(os.path.join(out_dir, args.name), True)
         run = train.build(args)
         tasks = run.env.eval_tasks[:o.gap_tasks]
@@ -203,7 +203,7 @@ def write_gap(cmp_dir, o, code, seconds, tasks, opaque, student, rows):
     table = {'student': {'success': s_all, 'opaque': s_op, 'by_family': by_family(student)}}
     md = [f'Held-out tasks: the first {len(tasks)} ({int(opaque.sum())} of opaque families), greedy, before any update; '
           'held-out graded reward (0/1 success where the reward is 0/1).',
-          f"`python bench.py {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
+          f"`python -m bench {' '.join(o.argv)}`, code {code}, {seconds:.0f} s.", GAP_LEGEND, '',
           '| teacher of | with context | teacher | student | gap | teacher, opaque | student, opaque | gap, opaque | '
           'KL, successes | KL, failures |',
           '|---|---|---|---|---|---|---|---|---|---|']
@@ -243,7 +243,7 @@ def law_section(cmp_dir, table):
                f"(entry, seed) pairs of {law['entries']} entries, 95% intervals resampling entries: {fit(law)}."]
         table['predictive_law'] = law
         # does it rest on LOPD's entries (the largest gaps)? the same fit without them
-        rest = predictive_law(cmp_dir, table, keep=lambda e: bench.method_of(e) != 'lopd')
+        rest = predictive_law(cmp_dir, table, keep=lambda e: method_of(e) != 'lopd')
         if rest:
             md += [f"Without LOPD's entries ({rest['pairs']} pairs of {rest['entries']} entries): {fit(rest)}."]
             table['predictive_law_without_lopd'] = rest
@@ -271,7 +271,7 @@ def plot_law(path, points, law, res):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 6))
     for i, (e, (_, x, ys)) in enumerate(points.items()):
-        color = 'tab:red' if bench.method_of(e) == 'lopd' else 'tab:blue'
+        color = 'tab:red' if method_of(e) == 'lopd' else 'tab:blue'
         ax.scatter([x] * len(ys), ys, s=12, color=color, alpha=0.35)
         ax.scatter([x], [np.mean(ys)], s=30, color=color)
         right = i % 2 == 0  # labels alternate sides: entries that share a gap share an x
@@ -282,7 +282,7 @@ def plot_law(path, points, law, res):
     (b, _, _), (a, _, _), (r2, _, _) = law['slope'], law['intercept'], law['r2']
     ax.plot(xs, a + b * xs, 'k-', lw=1, label=f'OLS: gain = {a:+.3f} + {b:.2f} · gap (R² {fmt(r2, ".2f")})')
     for e, r in res['entries'].items():
-        if r and e in bench.ENTRIES and methods.METHODS[bench.method_of(e)].teacher == 'none':
+        if r and e in ENTRIES and METHODS[method_of(e)].teacher == 'none':
             gain = np.mean(r['final']) - r['base_mean']
             ax.axhline(gain, ls=':', lw=1, color='gray')
             ax.annotate(f'{e} (no teacher)', (xs[0], gain), fontsize=7, color='gray')
@@ -367,10 +367,10 @@ def memory_report(o):
     B, T, V = 4, 2048, 151936
     rows = []
     for b, chunk in [(1, 0), (2, 0), (1, 1024), (2, 1024), (B, 1024), (B, 256)]:
-        code = f'import gap; print(*gap.step_memory({b}, {T}, {V}, {chunk}))'
-        out = subprocess.run([sys.executable, '-c', code], cwd=bench.ROOT, capture_output=True, text=True)
+        code = f'from bench import gap; print(*gap.step_memory({b}, {T}, {V}, {chunk}))'
+        out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
         if out.returncode:
-            bench.die(f'--memory: the step with B={b}, chunk={chunk} failed: {out.stderr.strip().splitlines()[-1:]}')
+            die(f'--memory: the step with B={b}, chunk={chunk} failed: {out.stderr.strip().splitlines()[-1:]}')
         before, peak = map(float, out.stdout.split())
         rows.append((b, chunk, before, peak))
         print(f'B={b} T={T} V={V} chunk={chunk or "none"}: resident {before:.2f} GiB before the step, peak {peak:.2f} GiB '

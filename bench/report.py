@@ -1,4 +1,4 @@
-"""What bench.py writes: finished run folders -> one row per entry (final reward and success with
+"""What bench writes: finished run folders -> one row per entry (final reward and success with
 95% bootstrap intervals over tasks and seeds, the curve, the diagnostics, the families the base
 solves), then results.json / results.md / curves.png and tuning.json / tuning.md."""
 import contextlib

@@ -76,10 +76,15 @@ class Method:
 METHODS: dict = {}
 
 
-def register(name, method):
-    """Add a method under a name (bench's entry of the same name is added unless it has one)."""
+def register(name, method, first=False):
+    """Add a method under a name (bench's entry of the same name is added unless it has one).
+    first=True lists it first (in -h and the bench), whichever file was imported first."""
     method.bench = method.bench or {name: {}}
+    rest = {k: v for k, v in METHODS.items() if k != name and first}
+    for k in rest:
+        del METHODS[k]
     METHODS[name] = method
+    METHODS.update(rest)
     return method
 
 

@@ -14,8 +14,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-import methods  # noqa: E402
 import train  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 
 def signal_after(step, sig):
@@ -46,6 +46,6 @@ if __name__ == '__main__':
         step, name = o.signal.split(':')
         train.train_step = signal_after(int(step), getattr(signal, 'SIG' + name))
     if o.nan:
-        for m in methods.METHODS.values():
+        for m in registry.METHODS.values():
             m.loss = nan_loss(m.loss, {int(s) for s in o.nan.split(',')})
     train.main([a for a in rest if a != '--'])

@@ -1,14 +1,15 @@
-"""A forker's variant, registered from outside the repo's modules: the teacher is shown the
-student's own best earlier attempt at this very task, kept in a per-task memory that the run
-checkpoints and restores like any method's state. (tests/test_fork.py runs it.)"""
-import methods
+"""A forker's variant in a file of its own: the teacher is shown the student's best earlier attempt
+at this very task, kept in a per-task memory that the run checkpoints like any method's state.
+Next to train.py: `python my_variant.py --method best-attempt` (tests/test_fork.py runs it so)."""
+import train
+from plumbing.registry import Method, distill, register
+from retrieval import experiences_text
 
 
 def best_attempt_context(run, eps):
     """The teacher reads the best earlier attempt at this task (a text); a task never tried gets no teacher."""
     best = run.state['best']
-    return [methods.experiences_text([(e.task.prompt, best[e.task.task_id][1])]) if e.task.task_id in best else None
-            for e in eps]
+    return [experiences_text([(e.task.prompt, best[e.task.task_id][1])]) if e.task.task_id in best else None for e in eps]
 
 
 def remember(run, b, logits_s, teacher):
@@ -19,5 +20,6 @@ def remember(run, b, logits_s, teacher):
     return {'remembered': float(len(run.state['best']))}
 
 
-methods.register('best-attempt', methods.Method(methods.distill, context=best_attempt_context, group=4,
-                                                state=lambda run: {'best': {}}, after_step=remember))
+register('best-attempt', Method(distill, context=best_attempt_context, group=4, state=lambda run: {'best': {}}, after_step=remember))
+if __name__ == '__main__':
+    train.main()

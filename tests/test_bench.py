@@ -13,13 +13,15 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import bench  # noqa: E402
-import gap  # noqa: E402
-import methods  # noqa: E402
-import report  # noqa: E402
+from bench import compare as bench  # noqa: E402  (the compare; its entries come from bench/entries.py)
+from bench import entries  # noqa: E402
+from bench import gap  # noqa: E402
+from bench import report  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
+from plugins import baselines  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 TINY = ["--episodes", "48", "--batch", "16", *TINY_BASE, "--init_episodes", "16", "--cold_start_steps", "2",
         "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
@@ -231,7 +233,7 @@ def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path, capsys, monke
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert e.value.code == 2 and out == "" and len(lines) == 1, err
-    assert lines[0].startswith("bench.py: error:") and all(w in lines[0] for w in words), lines[0]
+    assert lines[0].startswith("bench: error:") and all(w in lines[0] for w in words), lines[0]
     assert not os.listdir(tmp_path)  # nothing was started
 
 
@@ -322,11 +324,10 @@ def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
     """Registering a method (here a copy of GRPO with an ablation) is the only edit: it gets a
     bench entry, its ablation, its grid and its cost, and forwarded flags it does not read are dropped."""
     import importlib
-    import methods
-    monkeypatch.setitem(methods.METHODS, "grpo2", methods.Method(
-        methods.grpo_loss, teacher="none", group=4,
+    monkeypatch.setitem(registry.METHODS, "grpo2", registry.Method(
+        baselines.grpo_loss, teacher="none", group=4,
         bench={"grpo2": dict(cost=1, knob=["--batch", "8"]), "grpo2-slow": dict(flags=["--lr", "1e-5"])}))
-    b = importlib.reload(bench)
+    b = importlib.reload(entries)
     try:
         assert b.ENTRIES["grpo2"] == ["--method", "grpo2"] and b.ENTRIES["grpo2-slow"] == ["--method", "grpo2", "--lr", "1e-5"]
         assert b.TUNE["grpo2"] == [[], ["--lr", "3e-4"], ["--lr", "3e-3"], ["--batch", "8"]] and b.COST["grpo2"] == 1
@@ -335,7 +336,7 @@ def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
         assert b.for_method(["--cold_start_steps=3", "--composer_phase"], "lopd") == ["--cold_start_steps=3", "--composer_phase"]
     finally:
         monkeypatch.undo()
-        importlib.reload(bench)
+        importlib.reload(entries)
 
 
 def test_the_warm_up_is_done_only_at_train_py_line_not_at_its_progress_bar():
@@ -413,7 +414,7 @@ def test_a_compare_entry_takes_the_row_of_its_own_teacher():
         ["opsd-donor", "opsd-empty", "lopd-control", "lopd", "opsd", "lopd"]
     assert [gap.gap_row(e, table) for e in ["lopd-j3", "lopd-k16", "lopd-textcs", "lopd-self", "opsd-family", "grpo"]] == \
         ["lopd-j3", None, None, None, None, None]
-    assert set(gap.GAP_EXTRA) >= {e for e in bench.ENTRIES if e not in methods.METHODS and gap.STEP0_FLAGS & set(bench.ENTRIES[e])
+    assert set(gap.GAP_EXTRA) >= {e for e in bench.ENTRIES if e not in registry.METHODS and gap.STEP0_FLAGS & set(bench.ENTRIES[e])
                                   and e not in gap.CONTROL_ROWS}  # every such ablation of the compare gets its row
 
 

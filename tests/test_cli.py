@@ -21,9 +21,9 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import methods  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -118,7 +118,7 @@ def test_help_lists_every_flag_in_groups(procs):
     assert rc == 0 and "Traceback" not in err
     for f in dataclasses.fields(train.config_class()):
         assert f"--{f.name}" in out, f.name
-    assert all(m in out for m in methods.METHODS)
+    assert all(m in out for m in registry.METHODS)
     # the run, the model and warm-up, then each set of methods' own flags, with the flags under their group
     groups = [line for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert groups[1:4] == ["the run:", "the model and the warm-up:", "only for lopd, trajtext, opsd, sdpo, sdft, sod, acsd:"]
@@ -282,8 +282,8 @@ def test_resume_a_moved_run_writes_into_that_folder(smoke, tmp_path, capsys):
 
 def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch):
     import envs
-    assert envs.CodeGen.defaults == {"cold_start": "text", "cold_start_steps": 300, "warmup_steps": 500, "warmup_batch": 64}
-    assert envs.ToolUseV1.defaults == {"cold_start": "text", "cold_start_steps": 0, "warmup_steps": 500, "warmup_batch": 64}
+    assert envs.ENVS["codegen"].defaults == {"cold_start": "text", "cold_start_steps": 300, "warmup_steps": 500, "warmup_batch": 64}
+    assert envs.ENVS["tooluse-v1"].defaults == {"cold_start": "text", "cold_start_steps": 0, "warmup_steps": 500, "warmup_batch": 64}
     assert envs.ToolUse.defaults == {}
     plain = train.parse_args([])
     a = train.parse_args(["--env", "codegen"])
@@ -292,7 +292,7 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
     assert (a.warmup_batch, plain.warmup_batch) == (64, 32)  # codegen's numbers were measured on 64 demos a step
     assert train.parse_args(["--env", "tooluse-v1", "--warmup_batch", "8"]).warmup_batch == 8
     assert train.parse_args(["--env", "codegen", "--cold_start_steps", "7"]).cold_start_steps == 7
-    monkeypatch.setattr(envs.CodeGen, "defaults", {"episodes": 99, "cold_start_steps": 5})
+    monkeypatch.setattr(envs.ENVS["codegen"], "defaults", {"episodes": 99, "cold_start_steps": 5})
     a = train.parse_args(["--env", "codegen", "--episodes=12"])
     assert (a.episodes, a.cold_start_steps) == (12, 5)
     assert dataclasses.asdict(train.parse_args(["--env", "codegen", "--episodes", "99", "--cold_start_steps", "5"])) == \

@@ -9,9 +9,10 @@ from collections import defaultdict
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import sandbox
-from envs import CodeGen, play
-from sandbox import check_program, code_repr, run_tests, safe_eval
+from plugins import sandbox
+from envs import play
+from plugins.codegen import CodeGen
+from plugins.sandbox import check_program, code_repr, run_tests, safe_eval
 
 ENV = CodeGen(n_train=1200, n_eval=240)
 

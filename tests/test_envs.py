@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
-import tooluse_v1  # noqa: E402
+from plugins import tooluse_v1  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_random_plan_is_uniform_over_the_18_type_correct_plans_of_1_to_4_calls()
     assert set(counts) == {tuple(p) for p in tooluse_v1.GUESSES}
     assert all(800 < c < 1200 for c in counts.values())        # 1000 expected each
     for plan in tooluse_v1.ALL_PLANS:  # + the answer fits in max_turns; every plan type-checks
-        assert 1 <= len(plan) <= tooluse_v1.MAX_CALLS == envs.ToolUseV1.max_turns - 1
+        assert 1 <= len(plan) <= tooluse_v1.MAX_CALLS == envs.ENVS["tooluse-v1"].max_turns - 1
         world = tooluse_v1.random_world(rng)
         value, kind = world['people'][0], 'person'
         for tool in plan:

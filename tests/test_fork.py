@@ -8,6 +8,8 @@ a SIGKILL would (no handler runs, nothing is saved); tests/test_reliability.py d
 with real signals in a subprocess."""
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -16,9 +18,9 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import envs  # noqa: E402
-import methods  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 ARGS = ["--method", "best-attempt", "--batch", "16", "--episodes", "64", "--eval_every", "2", "--eval_tasks", "8",
@@ -37,7 +39,7 @@ def variant(monkeypatch):
     import fork_variant
     importlib.reload(fork_variant)
     yield
-    monkeypatch.delitem(methods.METHODS, "best-attempt")
+    monkeypatch.delitem(registry.METHODS, "best-attempt")
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ def metrics(run_dir):
 
 def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, base_in, variant, four_tasks, monkeypatch, capsys):
     base_in(tmp_path)
-    assert "best-attempt" in methods.METHODS and train.parse_args(["--method", "best-attempt"]).method == "best-attempt"
+    assert "best-attempt" in registry.METHODS and train.parse_args(["--method", "best-attempt"]).method == "best-attempt"
     train.main([*ARGS, "--out_dir", str(tmp_path), "--name", "whole"])
     real_step = train.train_step
 
@@ -85,10 +87,23 @@ def test_a_variant_from_outside_trains_checkpoints_and_resumes(tmp_path, base_in
     assert json.loads((tmp_path / "whole" / "config.json").read_text())["code"] != train.CODE
 
 
+def test_a_forkers_file_runs_with_one_command(tmp_path, base_in):
+    """`python my_variant.py --method best-attempt`, the README's command for a file of one's own (next to
+    train.py; here PYTHONPATH stands for that), trains and ends with the summary line."""
+    base_in(tmp_path)
+    shutil.copy(os.path.join(ROOT, "tests", "fork_variant.py"), tmp_path / "my_variant.py")
+    cmd = [sys.executable, str(tmp_path / "my_variant.py"), "--method", "best-attempt", "--episodes", "32", "--eval_every", "2",
+           "--eval_tasks", "8", "--teacher_eval", "8", *TINY_BASE, "--out_dir", str(tmp_path)]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "best-attempt-tooluse-s0: held-out reward" in out.stdout.splitlines()[-1]
+
+
 def test_the_readme_fork_example_is_the_tested_variant():
     """The code a forker copies first (README, 'Adding a method') is tests/fork_variant.py's, line for line."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     readme = open(os.path.join(root, "README.md")).read()
     block = readme.split("### Adding a method", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     variant = open(os.path.join(root, "tests", "fork_variant.py")).read()
-    assert block.strip() == variant[variant.index("def best_attempt_context"):].strip()
+    assert block.strip() == variant[variant.index("import train"):].strip()
+    assert len(variant.splitlines()) <= 25

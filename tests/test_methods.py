@@ -12,16 +12,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
-import bookkeeping as bk  # noqa: E402
+from plumbing import bookkeeping as bk  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
 import tokenizer  # noqa: E402
-import methods  # noqa: E402
-import lopd_method  # noqa: E402
-import variants  # noqa: E402
+from plugins import variants  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
+from plugins import baselines  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -32,10 +32,10 @@ def env():
 
 
 def fake_run(env, method, state=None, **kw):
-    run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=methods.METHODS[method], rng=random.Random(0),
+    run = types.SimpleNamespace(env=env, tok=None, teacher=None, method=registry.METHODS[method], rng=random.Random(0),
                                 args=types.SimpleNamespace(J=3, opsd_context="pool", retrieval="similar"), state=state or {"pool": {}})
     if method == "skillsd" and not state:
-        run.state = methods.METHODS["skillsd"].state(run)
+        run.state = registry.METHODS["skillsd"].state(run)
     run.__dict__.update(kw)
     return run
 
@@ -50,12 +50,12 @@ def test_opsd_context_is_an_oracle_trajectory_of_this_task_from_the_pool(env):
     --opsd_context answer: this task's reference solution (plan and answer)."""
     eps = [env.reset(t) for t in env.train_tasks[:5]]
     run = fake_run(env, "opsd", state={"pool": {eps[0].task.task_id: "city(xx) -> yy; answer yy"}})
-    texts = methods.opsd_context(run, eps)
+    texts = baselines.opsd_context(run, eps)
     assert texts[0] == f"past: {eps[0].task.prompt}: city(xx) -> yy; answer yy\n"
     for e, t in zip(eps[1:], texts[1:]):
-        assert t == methods.experiences_text([(e.task.prompt, e.task.solution)]) and e.task.answer in t
+        assert t == retrieval.experiences_text([(e.task.prompt, e.task.solution)]) and e.task.answer in t
     run.args.opsd_context = "answer"
-    assert methods.opsd_context(run, eps) == [f"reference solution: {e.task.solution}\n" for e in eps]
+    assert baselines.opsd_context(run, eps) == [f"reference solution: {e.task.solution}\n" for e in eps]
 
 
 def test_opsd_donor_context_is_another_training_task_of_the_same_family_always_the_same(env):
@@ -65,12 +65,12 @@ def test_opsd_donor_context_is_another_training_task_of_the_same_family_always_t
     run.args.opsd_context = "family"
     train_ids = {t.task_id for t in env.train_tasks}
     for task in env.train_tasks[:20] + env.eval_tasks[:5]:
-        d = methods.donor(run, task, same_family=True)
+        d = baselines.donor(run, task, same_family=True)
         assert d.family == task.family and d.task_id != task.task_id and d.task_id in train_ids
-        assert methods.donor(run, task, same_family=True) is d
-        text, = methods.opsd_context(run, [env.reset(task)])
-        assert text == methods.experiences_text([(d.prompt, d.solution)])
-    donors = {methods.donor(run, t, same_family=True).task_id for t in env.train_tasks if t.family == env.train_tasks[0].family}
+        assert baselines.donor(run, task, same_family=True) is d
+        text, = baselines.opsd_context(run, [env.reset(task)])
+        assert text == retrieval.experiences_text([(d.prompt, d.solution)])
+    donors = {baselines.donor(run, t, same_family=True).task_id for t in env.train_tasks if t.family == env.train_tasks[0].family}
     assert len(donors) > 1  # a donor per task, not one per family
 
 
@@ -80,13 +80,13 @@ def test_opsd_controls_show_another_familys_trajectory_or_nothing(env):
     run = fake_run(env, "opsd")
     run.args.opsd_context = "other"
     for task in env.train_tasks[:20] + env.eval_tasks[:5]:
-        d = methods.donor(run, task, same_family=False)
-        assert d.family != task.family and d is methods.donor(run, task, same_family=False)
-        text, = methods.opsd_context(run, [env.reset(task)])
-        assert text == methods.experiences_text([(d.prompt, d.solution)])
+        d = baselines.donor(run, task, same_family=False)
+        assert d.family != task.family and d is baselines.donor(run, task, same_family=False)
+        text, = baselines.opsd_context(run, [env.reset(task)])
+        assert text == retrieval.experiences_text([(d.prompt, d.solution)])
     run.args.opsd_context = "none"
     eps = [env.reset(t) for t in env.train_tasks[:3]]
-    assert methods.opsd_context(run, eps) == ['', '', '']  # a str, so embed_context frames it: a teacher, not None
+    assert baselines.opsd_context(run, eps) == ['', '', '']  # a str, so embed_context frames it: a teacher, not None
 
 
 def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_episodes(env):
@@ -100,7 +100,7 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
 
     run = fake_run(env, "opsd", episodes=0, model=None, args=types.SimpleNamespace(pool_episodes=100),
                    timer=lambda k: __import__("contextlib").nullcontext())
-    methods.build_pool(run, rollout)
+    baselines.build_pool(run, rollout)
     pool, train_ids = run.state["pool"], {t.task_id for t in env.train_tasks}
     assert calls == [64, 36] and run.episodes == 100
     assert pool and set(pool) <= train_ids and not set(pool) & {t.task_id for t in env.eval_tasks}
@@ -118,8 +118,8 @@ def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_dem
     run = fake_run(env, "lopd", episodes=0, model=None, tok=tokenizer.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
                    args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
                                               bank_capacity=1000, allow_same_task=False))
-    run.state = {"bank": lopd_method.new_bank(run)}
-    rows = lopd_method.fill_bank(run, rollout)
+    run.state = {"bank": retrieval.new_bank(run)}
+    rows = warmup.fill_bank(run, rollout)
     bank = run.state["bank"]
     assert run.episodes == 70 and len(rows) == 70 + sum(not r[0].success for r in rows)
     assert len(bank.exps) == 70 and all(x.reward == 1.0 for x in bank.exps)       # one verified success per task
@@ -129,11 +129,11 @@ def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_dem
 
 
 def test_sdpo_never_shows_a_rollout_its_own_attempt(env):
-    G = methods.METHODS["sdpo"].group
+    G = registry.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     # group 1: exactly one success; group 2: no success
     eps = [played(env, a, ok) for ok in [True, False, False, False]] + [played(env, b, False) for _ in range(G)]
-    texts = methods.sdpo_context(fake_run(env, "sdpo"), eps)
+    texts = baselines.sdpo_context(fake_run(env, "sdpo"), eps)
     win = env.trajectory_text(eps[0])
     assert all(win in t for t in texts[1:4])            # the failures see the successful sibling
     assert win not in texts[0] and texts[0].startswith("feedback: correct")  # the success has no other winner
@@ -141,27 +141,27 @@ def test_sdpo_never_shows_a_rollout_its_own_attempt(env):
         assert t == f"feedback: {e.feedback}\n" and "wrong" in t
     # a rollout with neither a successful sibling nor feedback is masked out (None)
     eps[5].feedback = ""
-    assert methods.sdpo_context(fake_run(env, "sdpo"), eps)[5] is None
+    assert baselines.sdpo_context(fake_run(env, "sdpo"), eps)[5] is None
 
 
 def test_sdpo_sibling_is_from_the_same_group(env):
-    G = methods.METHODS["sdpo"].group
+    G = registry.METHODS["sdpo"].group
     a, b = env.train_tasks[0], env.train_tasks[1]
     eps = [played(env, a, False) for _ in range(G)] + [played(env, b, True)] + [played(env, b, False)] * (G - 1)
-    texts = methods.sdpo_context(fake_run(env, "sdpo"), eps)
+    texts = baselines.sdpo_context(fake_run(env, "sdpo"), eps)
     assert all(t.startswith("feedback:") for t in texts[:G])  # b's success never leaks into a's group
 
 
 def test_sdft_context_is_the_pools_trajectory_of_this_task_and_its_teacher_an_ema_at_0_01(env):
     eps = [env.reset(t) for t in env.train_tasks[:4]]
-    texts = methods.sdft_context(fake_run(env, "sdft"), eps)
+    texts = baselines.sdft_context(fake_run(env, "sdft"), eps)
     for e, t in zip(eps, texts):
         demo = envs.play(env, e.task, env.demo(e.task, random.Random(0)))
         assert demo.reward == 1 and env.trajectory_text(demo) in t
-    m = methods.METHODS["sdft"]
+    m = registry.METHODS["sdft"]
     assert (m.teacher, m.ema_rate, m.divergence) == ("ema", 0.01, "fkl")
-    assert (methods.METHODS["opsd"].teacher, methods.METHODS["opsd"].divergence) == ("frozen", "fkl")
-    assert (methods.METHODS["sdpo"].teacher, methods.METHODS["sdpo"].ema_rate) == ("ema", 0.05)
+    assert (registry.METHODS["opsd"].teacher, registry.METHODS["opsd"].divergence) == ("frozen", "fkl")
+    assert (registry.METHODS["sdpo"].teacher, registry.METHODS["sdpo"].ema_rate) == ("ema", 0.05)
 
 
 def test_trajtext_shows_the_same_experiences_lopd_retrieves(env):
@@ -171,15 +171,15 @@ def test_trajtext_shows_the_same_experiences_lopd_retrieves(env):
               for e in wins])
     run = fake_run(env, "trajtext", state={"bank": bank})
     eps = [env.reset(t) for t in env.train_tasks[:3]]
-    texts = lopd_method.trajtext_context(run, eps)
+    texts = baselines.trajtext_context(run, eps)
     found = bank.retrieve([e.task.prompt for e in eps], [e.task.task_id for e in eps], 3)
     for t, f, e in zip(texts, found, eps):
         assert len(f) == 3 and all(m.text in t for m in f)
         assert all(m.task_id != e.task.task_id for m in f)  # never this task instance
     run.args.retrieval = "other"  # the control: other families' experiences only, as LOPD's --retrieval other shows them
-    found = lopd_method.training_retrieval(run, eps)
+    found = retrieval.retrieve(run, [e.task for e in eps], other_family=True)
     assert all(f and all(m.family != e.task.family for m in f) for f, e in zip(found, eps))
-    assert list(lopd_method.trajtext_context(run, eps)) == [methods.bank_text(f) for f in found]
+    assert list(baselines.trajtext_context(run, eps)) == [retrieval.bank_text(f) for f in found]
 
 
 def test_skill_text_uses_only_the_tasks_family(env):
@@ -190,7 +190,7 @@ def test_skill_text_uses_only_the_tasks_family(env):
         fams.setdefault(t.family, []).append(e)
         run.state["skills"].setdefault(t.family, []).append((env.trajectory_text(e), e.reward, e.feedback))
     eps = [env.reset(t) for t in env.eval_tasks[:10]]
-    texts = methods.skillsd_context(run, eps)
+    texts = baselines.skillsd_context(run, eps)
     for e, text in zip(eps, texts):
         own = {env.trajectory_text(x) for x in fams[e.task.family] if x.reward > 0}
         other = {env.trajectory_text(x) for f, xs in fams.items() if f != e.task.family for x in xs}
@@ -201,7 +201,7 @@ def test_skill_text_uses_only_the_tasks_family(env):
 def test_skill_text_template():
     recs = [("city(bo) -> oslo; answer oslo", 1.0, "correct"), ("answer rome", 0.0, "the answer 'rome' is wrong"),
             ("answer lima", 0.0, "the answer 'lima' is wrong"), ("answer rome", 0.0, "the answer 'rome' is wrong")]
-    assert methods.skill_text(recs) == ("skill: success pattern: city(bo) -> oslo; answer oslo; "
+    assert warmup.skill_text(recs) == ("skill: success pattern: city(bo) -> oslo; answer oslo; "
                                       "mistakes: the answer 'rome' is wrong; workflow: 2 turns, the last one answers\n")
 
 
@@ -210,8 +210,8 @@ def test_skill_text_breaks_a_tie_between_mistakes_the_same_way_in_every_process(
     # runs of one seed could show different skills. The earliest of the tied mistakes wins.
     mistakes = [f"the answer '{c}' is wrong" for c in ('rome', 'lima', 'oslo', 'bern', 'kyiv', 'rabat')]
     recs = [("answer x", 0.0, m) for m in mistakes]
-    assert f"mistakes: {mistakes[0]};" in methods.skill_text(recs)
-    assert f"mistakes: {mistakes[2]};" in methods.skill_text(recs + recs[2:3])  # a count beats order
+    assert f"mistakes: {mistakes[0]};" in warmup.skill_text(recs)
+    assert f"mistakes: {mistakes[2]};" in warmup.skill_text(recs + recs[2:3])  # a count beats order
 
 
 def test_skillsd_arms_are_skills_of_the_latest_successes(env):
@@ -222,7 +222,7 @@ def test_skillsd_arms_are_skills_of_the_latest_successes(env):
     texts = []
     for arm in range(3):
         run.state["arm"][fam] = arm
-        texts.append(methods.skillsd_context(run, [e])[0])
+        texts.append(baselines.skillsd_context(run, [e])[0])
     assert [t.split(";")[0] for t in texts] == [f"skill: success pattern: answer x{i}" for i in (2, 3, 4)]
 
 
@@ -240,7 +240,7 @@ def test_skillsd_bandit_credits_the_arm_whose_update_the_rollouts_followed(env):
     run = fake_run(env, "skillsd")
     fam = env.train_tasks[0].family
     tasks = [t for t in env.train_tasks if t.family == fam][:4]
-    after = lambda rewards: methods.skillsd_after_step(run, step_of(env, tasks, rewards), None, None)
+    after = lambda rewards: baselines.skillsd_after_step(run, step_of(env, tasks, rewards), None, None)
     after([1, 1, 1, 0])                   # step 1 used arm 0 (the default); nothing to credit yet
     s = run.state
     assert s["ucb"][fam] == {} and s["shaped"][fam] == 0 and s["arm"][fam] == 0   # nothing pulled: arm 0 first
@@ -262,7 +262,7 @@ def test_skillsd_bandit_credits_the_arm_whose_update_the_rollouts_followed(env):
 
 def test_skillsd_skill_for_a_family_without_records(env):
     run = fake_run(env, "skillsd")
-    assert methods.skillsd_context(run, [env.reset(env.train_tasks[0])]) == [
+    assert baselines.skillsd_context(run, [env.reset(env.train_tasks[0])]) == [
         "skill: success pattern: none yet; mistakes: none seen; workflow: ? turns, the last one answers\n"]
 
 
@@ -298,11 +298,11 @@ def test_ema_moves_the_teacher_by_exactly_the_rate():
     assert not any(p.requires_grad and p.grad is not None for p in t.parameters())
 
 
-@pytest.mark.parametrize("name", list(methods.METHODS))
+@pytest.mark.parametrize("name", list(registry.METHODS))
 def test_every_method_is_well_formed(name):
     """Its group divides the default batch, its teacher kind is known, its flags are config fields
     with a help, and its bench entries are valid train.py flags."""
-    m, args = methods.METHODS[name], train.parse_args([])
+    m, args = registry.METHODS[name], train.parse_args([])
     assert args.batch % m.group == 0 and m.teacher in ("frozen", "ema", "live", "none")
     assert (m.context is None) == (m.teacher == "none")
     assert all(f.metadata["help"] and hasattr(args, k) for k, f in m.flags.items())
@@ -323,7 +323,7 @@ def out(tmp_path_factory, base_in):
 
 
 def tiny_run(out, name, *extra):
-    own = [f for k, v in SETUP.items() if k in methods.METHODS[name].flags for f in (f"--{k}", v)]
+    own = [f for k, v in SETUP.items() if k in registry.METHODS[name].flags for f in (f"--{k}", v)]
     args = train.parse_args([*TINY, *own, "--method", name, "--out_dir", str(out), "--name", name, *extra])
     os.makedirs(out / name, exist_ok=True)
     return train.build(args)
@@ -340,7 +340,7 @@ def same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("name", [n for n, m in methods.METHODS.items() if m.context])
+@pytest.mark.parametrize("name", [n for n, m in registry.METHODS.items() if m.context])
 def test_evaluation_changes_no_state_and_logs_nothing(out, name):
     """Context builders are pure: evaluation (which calls them on held-out tasks) leaves the
     method's state (bank, φ, β, skills, bandit) as it was, and what a training step logged
@@ -404,30 +404,35 @@ def test_temperature_reaches_the_training_rollouts_only(out, monkeypatch, name):
 
 def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out, monkeypatch):
     """The bank holds only task A (3 copies), so A retrieves nothing (its own instance is
-    forbidden) and B retrieves A's: A's rollout gets no teacher, and the student and composer
-    losses equal those of B's rollout alone."""
+    forbidden) and B retrieves A's: in train.lopd_step, A's rollout gets no teacher, and the student
+    loss (step 5) and the composer loss (step 6) equal those of B's rollout alone."""
     run = tiny_run(out, "lopd")
     a, b = run.env.train_tasks[0], next(t for t in run.env.train_tasks if t.family == run.env.train_tasks[0].family
                                          and t.task_id != run.env.train_tasks[0].task_id)
     win = played(run.env, a, True)
-    run.state["bank"] = lopd_method.new_bank(run)
+    run.state["bank"] = retrieval.new_bank(run)
     run.state["bank"].add([retrieval.Experience(a.task_id, a.family, a.prompt, run.env.trajectory_text(win), 1.0)] * 3)
+    run.env.train_tasks, run.args.batch, run.args.composer_phase = [a, b], 2, True
+    seen, played_out, real = [], [], train.rollout
+    monkeypatch.setattr(bk, "optimizer_step", lambda run, opt, loss, module: seen.append(loss))  # θ and φ stay put
+    monkeypatch.setattr(train, "rollout", lambda *x, **k: played_out.append(real(*x, **k)) or played_out[-1])
+    monkeypatch.setattr(retrieval, "write_back", lambda run, eps: None)  # the bank as it was
     torch.manual_seed(0)
-    eps, bodies, masks = train.rollout(run.model, run.tok, run.env, [a, b])
-    batch = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, "cpu"), torch.tensor([1.0, 0.0]))
-    teacher = train.teacher_phase(run, batch)
-    assert teacher.keep.tolist() == [False, True] and teacher.context[0] is None
-    assert teacher.context.z.shape[0] == run.args.J * run.args.K                       # B's latents only
-    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, 2), batch.ids, batch.attn)
-    only_b = lopd.distill_loss(logits_s[1:], teacher.logits[1:], batch.amask[1:], "rkl")
-    torch.testing.assert_close(methods.distill(run, batch, logits_s, teacher), only_b)
-    seen = []
-    monkeypatch.setattr(lopd_method, "optimizer_step", lambda run, opt, loss, module: seen.append(loss))
-    lopd_method.composer_phase(run, batch, logits_s.detach(), teacher)
-    want, _, _ = lopd.composer_loss(logits_s.detach()[1:], teacher.logits[1:], batch.ids[1:], batch.amask[1:],
-                                    batch.reward[1:], 0.0, run.args.margin, run.args.lam, teacher.context.z,
-                                    teacher.context.z0)
-    torch.testing.assert_close(seen[0], want)
+    train.lopd_step(run)
+    eps, bodies, masks = played_out[0]
+    i = [e.task.task_id for e in eps].index(b.task_id)                                  # B's row
+    ids, amask, attn = M.pad_batch(bodies, masks, run.tok.pad, "cpu")
+    reward = torch.tensor([e.reward for e in eps])
+    ctx = train.lopd_context(run, eps)
+    assert [p is None for p in ctx] == [e.task.task_id == a.task_id for e in eps]
+    assert ctx.z.shape[0] == run.args.J * run.args.K                                   # B's latents only
+    logits_t = M.logits_on(run.teacher, registry.with_default(run, ctx), ids, attn)
+    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, 2), ids, attn)
+    r = slice(i, i + 1)
+    torch.testing.assert_close(seen[0], lopd.distill_loss(logits_s[r], logits_t[r], amask[r], "rkl"))
+    want, _, _ = lopd.composer_loss(logits_s[r], logits_t[r], ids[r], amask[r], reward[r], 0.0, run.args.margin, run.args.lam,
+                                    ctx.z, ctx.z0)
+    torch.testing.assert_close(seen[1], want)
 
 
 def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
@@ -439,11 +444,11 @@ def test_the_warm_up_teaches_every_form_a_teacher_is_shown_and_no_other(env):
     bank.add([retrieval.Experience(e.task.task_id, e.task.family, e.task.prompt, env.trajectory_text(e), 1.0)
               for e in (played(env, t, True) for t in env.train_tasks[4:40])])
     shown = set()
-    for name, m in methods.METHODS.items():
+    for name, m in registry.METHODS.items():
         run = fake_run(env, name, state={"pool": {}, "bank": bank} if name != "skillsd" else None)
         if name == "skillsd":
-            methods.skillsd_after_step(run, types.SimpleNamespace(eps=eps), None, None)
-        for setting in (["pool", "answer", "family"] if m.context is methods.opsd_context else [None]):
+            baselines.skillsd_after_step(run, types.SimpleNamespace(eps=eps), None, None)
+        for setting in (["pool", "answer", "family"] if m.context is baselines.opsd_context else [None]):
             run.args.opsd_context = setting
             if m.context is not None and name not in ("lopd", "acsd"):  # latents and a steering vector: no text
                 shown |= {t.split(":")[0] for t in m.context(run, eps) if t}
@@ -461,7 +466,7 @@ def test_embed_context_frames_text_and_passes_the_rest():
     model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
     run = types.SimpleNamespace(teacher=model, tok=tok)
     z = torch.randn(3, 16)
-    out = methods.embed_context(run, methods.Prefixes(["past: a\n", z, None], found="kept"))
+    out = registry.embed_context(run, registry.Prefixes(["past: a\n", z, None], found="kept"))
     torch.testing.assert_close(out[0], M.text_prefix(model, tok, ["past: a\n"])[0])   # <|bos|><|ctx|> text
     assert out[1] is z and out[2] is None and out.found == "kept"
-    assert methods.embed_context(run, [None]) == [None]
+    assert registry.embed_context(run, [None]) == [None]

@@ -12,15 +12,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
-import tooluse_v1  # noqa: E402
+from plugins import tooluse_v1  # noqa: E402
 import lopd  # noqa: E402
-import methods  # noqa: E402
-import lopd_method  # noqa: E402
 import model as M  # noqa: E402
 import tokenizer  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -96,7 +95,7 @@ def test_bpe_encodes_as_tiktokens_slow_reference_and_round_trips(env, tok):
     # deterministic, and a real saving over bytes
     again = tokenizer.byte_tokenizer(tokenizer.bpe_ranks(warmup.tokenizer_texts(env, n=300), 256))
     assert again.enc._mergeable_ranks == tok.enc._mergeable_ranks
-    text = methods.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
+    text = retrieval.experiences_text([("city of bo", "city(bo) -> oslo; answer oslo")])
     assert len(tok.encode(text)) * 2 < len(text.encode())
 
 
@@ -111,11 +110,11 @@ def test_bpe_ranks_by_hand():
 
 def lopd_run(tok, model, K=3, reader="frozen", composer="mlp"):
     run = types.SimpleNamespace(teacher=model, model=model, tok=tok, device=torch.device("cpu"), rng=random.Random(0),
-                                method=methods.METHODS["lopd"],
+                                method=registry.METHODS["lopd"],
                                 args=types.SimpleNamespace(K=K, J=3, composer=composer, lr=0.0, lr_composer=1e-3, reader=reader,
                                                            bank_capacity=100, allow_same_task=False, embedder="ngram",
                                                            rerank="none"))
-    run.state = lopd_method.lopd_state(run)
+    run.state = train.lopd_state(run)
     return run
 
 
@@ -127,13 +126,13 @@ def test_latent_frame_puts_latents_where_the_text_context_puts_each_experience(t
     exps = [retrieval.Experience("a", "city of X", "city of bo", "city(bo) -> oslo; answer oslo", 1.0),
             retrieval.Experience("b", "quandle X", "quandle ed", "team(ed) -> red; lead(red) -> cy; answer cy", 1.0)]
     run = lopd_run(tok, model)
-    zs = [M.embed(model, torch.tensor(tok.encode(methods.experience_line(m.task, m.text)))) for m in exps]
-    frame = lopd_method.latent_frame(run, zs)
-    text = M.text_prefix(model, tok, [methods.experiences_text([(m.task, m.text) for m in exps])])[0]
+    zs = [M.embed(model, torch.tensor(tok.encode(retrieval.experience_line(m.task, m.text)))) for m in exps]
+    frame = retrieval.latent_frame(run, zs)
+    text = M.text_prefix(model, tok, [retrieval.experiences_text([(m.task, m.text) for m in exps])])[0]
     assert torch.equal(frame, text)
     # and with K latents each: 4 framing tokens, then K + 1 per experience (its latents and a '\n')
     K = 3
-    frame = lopd_method.latent_frame(run, [torch.randn(K, 16) for _ in exps])
+    frame = retrieval.latent_frame(run, [torch.randn(K, 16) for _ in exps])
     head = len([tok.bos, tok.ctx] + tok.encode("past:"))
     assert frame.shape[0] == head + len(exps) * (K + 1)
     nl = M.embed(model, torch.tensor(tok.encode("\n")))[0]
@@ -160,10 +159,10 @@ def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, to
     tasks = env.train_tasks[:4]
     run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:40]])
     eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in tasks]
-    ctx = lopd_method.latents(run, eps, grad=True)
+    ctx = retrieval.latents(run, eps, grad=True)
     bodies, masks = zip(*[M.encode_episode(tok, e) for e in eps])
     ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, "cpu")
-    logits_t = M.logits_on(teacher, methods.with_default(run, ctx), ids, attn)
+    logits_t = M.logits_on(teacher, registry.with_default(run, ctx), ids, attn)
     logits_s = M.logits_on(model, M.bos_prefix(model, tok, len(eps)), ids, attn)
     loss, _, _ = lopd.composer_loss(logits_s, logits_t, ids, amask, torch.tensor([1.0, 0, 1, 0]), 0.5, 0.05, 0.2,
                                     ctx.z, ctx.z0)
@@ -174,7 +173,7 @@ def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, to
     for m in (teacher, model, s["composer0"], s["reader0"]):
         assert all(p.grad is None for p in m.parameters())
     assert {id(p) for g in s["opt_phi"].param_groups for p in g["params"]} == \
-        {id(p) for p in lopd_method.phi_params(s["composer"], s["reader"])}
+        {id(p) for p in retrieval.phi_params(s["composer"], s["reader"])}
 
 
 def test_retrieval_can_exclude_the_querys_family():
@@ -196,22 +195,22 @@ def test_the_copy_composer_starts_as_the_text_context_and_shows_no_latent_past_a
     eps = [env.reset(t) for t in env.train_tasks[:3]]
     run = lopd_run(tok, model, K=120, composer="qformer-copy")
     run.state["bank"].add(bank)
-    ctx = lopd_method.latents(run, eps, grad=False)
-    assert all(len(f) == 3 for f in ctx.found) and max(len(lopd_method.experience_tokens(run, m)) for m in bank) < 120
+    ctx = retrieval.latents(run, eps, grad=False)
+    assert all(len(f) == 3 for f in ctx.found) and max(len(retrieval.experience_tokens(run, m)) for m in bank) < 120
     for latent, f in zip(ctx, ctx.found):
-        text = M.text_prefix(model, tok, [methods.bank_text(f)])[0]
+        text = M.text_prefix(model, tok, [retrieval.bank_text(f)])[0]
         assert latent.shape == text.shape
         torch.testing.assert_close(latent, text, atol=5e-3, rtol=0)
     run = lopd_run(tok, model, K=120)
     run.state["bank"].add(bank)
-    ctx = lopd_method.latents(run, eps, grad=False)
+    ctx = retrieval.latents(run, eps, grad=False)
     head = len([tok.bos, tok.ctx] + tok.encode("past:"))
     assert [p.shape[0] for p in ctx] == [head + 3 * (120 + 1)] * 3
 
 
 @pytest.mark.parametrize("reader", ["frozen", "trained"])
 def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, reader):
-    """The cold start reads each row's experiences once (lopd_method.frozen_reading) and reuses the
+    """The cold start reads each row's experiences once (warmup.frozen_reading) and reuses the
     pooled reading at every step: the latents, z0 and their gradients must be what compose makes
     reading afresh; with an empty bank there is nothing to read."""
     torch.manual_seed(0)
@@ -220,22 +219,22 @@ def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, 
     run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:12]])
     eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in env.train_tasks[:4]]
     rows = [(e, None, None) for e in eps]
-    cached = lopd_method.frozen_reading(run, rows)
-    assert [f for f, _ in cached] == lopd_method.retrieve(run, [e.task for e in eps])
+    cached = warmup.frozen_reading(run, rows)
+    assert [f for f, _ in cached] == retrieval.retrieve(run, [e.task for e in eps])
     assert [r.shape[0] for _, r in cached] == [len(f) for f, _ in cached]
-    fresh = lopd_method.latents(run, eps, grad=True)
-    reused = lopd_method.latents(run, eps, grad=True, found=[f for f, _ in cached], read0=torch.cat([r for _, r in cached]))
+    fresh = retrieval.latents(run, eps, grad=True)
+    reused = retrieval.latents(run, eps, grad=True, found=[f for f, _ in cached], read0=torch.cat([r for _, r in cached]))
     torch.testing.assert_close(reused.z, fresh.z)
     torch.testing.assert_close(reused.z0, fresh.z0)
-    g_fresh = torch.autograd.grad(fresh.z.square().sum(), lopd_method.phi_params(run.state["composer"], run.state["reader"]),
+    g_fresh = torch.autograd.grad(fresh.z.square().sum(), retrieval.phi_params(run.state["composer"], run.state["reader"]),
                                   allow_unused=True)
-    g_reused = torch.autograd.grad(reused.z.square().sum(), lopd_method.phi_params(run.state["composer"], run.state["reader"]),
+    g_reused = torch.autograd.grad(reused.z.square().sum(), retrieval.phi_params(run.state["composer"], run.state["reader"]),
                                    allow_unused=True)
     for a, b in zip(g_fresh, g_reused):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
-    empty = lopd_method.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
+    empty = warmup.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
     assert all(f == [] and r.shape == (0, 3, 16) for f, r in empty)
 
 

@@ -20,11 +20,11 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-import bookkeeping as bk  # noqa: E402
+from plumbing import bookkeeping as bk  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 import faults  # noqa: E402
-import methods  # noqa: E402
 import train  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -203,7 +203,7 @@ def finite(run_dir):
 
 def nan_at(monkeypatch, steps):
     """GRPO's loss, made NaN in those steps (from outside: train.py has no test hook)."""
-    grpo = methods.METHODS["grpo"]
+    grpo = registry.METHODS["grpo"]
     monkeypatch.setattr(grpo, "loss", faults.nan_loss(grpo.loss, steps))
 
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 from sklearn.neighbors import NearestNeighbors
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from retrieval import (RELATION_DIM, Experience, ExperienceBank, cosine_topk, hashing_embedder,  # noqa: E402
-                       parse_examples, relation_embedder, relation_tests)
+from plugins.codegen import RELATION_DIM, CodeGen, parse_examples, relation_embedder, relation_tests  # noqa: E402
+from retrieval import Experience, ExperienceBank, cosine_topk, hashing_embedder  # noqa: E402
 
 
 # ---- cosine_topk -------------------------------------------------------------------
@@ -253,7 +253,7 @@ def slow_relation_similarities(stored, query):
 
 def test_relation_retrieval_matches_a_slow_reference_and_finds_the_family():
     import envs
-    env = envs.CodeGen(n_train=300, n_eval=120)
+    env = CodeGen(n_train=300, n_eval=120)
     stored = [exp(t.task_id, t.family, t.prompt, t.solution) for t in env.train_tasks]
     bank = ExperienceBank(relation_embedder())
     bank.add(stored)
@@ -277,7 +277,7 @@ def test_relation_retrieval_matches_a_slow_reference_and_finds_the_family():
 
 def test_relation_tests_of_each_family_hold_for_its_reference_function():
     import envs
-    env = envs.CodeGen(n_train=120, n_eval=12)
+    env = CodeGen(n_train=120, n_eval=12)
     embed = relation_embedder()
     names = {"reverse": 13, "sort": 11, "take": 14, "repeat": 19, "mirror": 20, "rotate": 18, "every2": 22, "sum": 27}
     for t in env.train_tasks:  # the tests each family's function passes on every example it shows
@@ -288,7 +288,7 @@ def test_relation_tests_of_each_family_hold_for_its_reference_function():
 
 def test_execution_rerank_scores_what_each_program_reproduces_and_survives_hostile_programs():
     import time
-    from retrieval import execution_rerank
+    from plugins.codegen import execution_rerank
     task = "[3,1]->[5,3]; [0,7]->[2,9]; [4]->[6]"  # add 2
     progs = {"lambda x: [v+2 for v in x]": 1.0, "lambda x: [v+3 for v in x]": 0.0,
              "lambda x: [v+2 if v < 5 else v for v in x]": 2 / 3,           # right on two of the three
@@ -306,8 +306,8 @@ def test_execution_rerank_scores_what_each_program_reproduces_and_survives_hosti
 def test_rerank_sorts_the_cosine_shortlist_stably_and_keeps_the_exclusions():
     """Reference: the top rerank_pool by cosine (ties to the lower index), stably sorted by the score."""
     import envs
-    from retrieval import execution_rerank
-    env = envs.CodeGen(n_train=300, n_eval=40)
+    from plugins.codegen import execution_rerank
+    env = CodeGen(n_train=300, n_eval=40)
     stored = [exp(t.task_id, t.family, t.prompt, t.solution) for t in env.train_tasks]
     plain, reranked = ExperienceBank(relation_embedder()), ExperienceBank(relation_embedder(), rerank=execution_rerank, rerank_pool=8)
     plain.add(stored)

@@ -14,10 +14,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
-import methods  # noqa: E402
-import variants  # noqa: E402
+from plugins import variants  # noqa: E402
 import train  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
+from plugins import baselines  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
 VARIANTS = ["psp", "sod", "acsd", "vaspo"]
@@ -39,7 +40,7 @@ def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedb
                for i, (t, w) in enumerate(zip(tasks, wins))]
         return eps, [[i] for i in range(len(tasks))], [[1] for _ in tasks]
 
-    run = types.SimpleNamespace(model="θ", tok=None, env=env, method=methods.METHODS["psp"], episodes=0, log={})
+    run = types.SimpleNamespace(model="θ", tok=None, env=env, method=registry.METHODS["psp"], episodes=0, log={})
     texts = lambda model, tok, t: [("hint", x) for x in t]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(M, "text_prefix", texts)
@@ -49,7 +50,7 @@ def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedb
     assert calls[1][1] == [("hint", "feedback: the answer 'wrong0' is wrong\n")] * 4
     assert [e.reward for e in eps] == [1, 1, 1, 1, 0, 0, 1, 0]       # a's hinted rollouts replaced its failed group
     assert bodies == [[0], [1], [2], [3], [4], [5], [6], [7]] and run.episodes == 4 and run.log["resampled"] == [0.5]
-    assert methods.METHODS["psp"].loss is methods.grpo_loss and methods.METHODS["psp"].context is None
+    assert registry.METHODS["psp"].loss is baselines.grpo_loss and registry.METHODS["psp"].context is None
 
 
 # ----------------------------------------------------------------------------- SOD
@@ -104,9 +105,9 @@ def test_sod_loss_is_the_turn_weighted_distillation_loss():
     torch.manual_seed(1)
     logits_s, logits_t = torch.randn(2, 6, 7, requires_grad=True), torch.randn(2, 6, 7)
     amask = torch.tensor([[1., 1, 0, 1, 1, 0], [0, 1, 1, 1, 0, 0]])
-    run = types.SimpleNamespace(args=types.SimpleNamespace(divergence="", topk=0, sod_tau=0.0), method=methods.METHODS["sod"])
+    run = types.SimpleNamespace(args=types.SimpleNamespace(divergence="", topk=0, sod_tau=0.0), method=registry.METHODS["sod"])
     b = types.SimpleNamespace(amask=amask)
-    teacher = methods.Teacher(logits_t, torch.tensor([True, True]), None)
+    teacher = registry.Teacher(logits_t, torch.tensor([True, True]), None)
     loss = variants.sod_loss(run, b, logits_s, teacher)
     d = lopd.divergence(logits_s, logits_t, "rkl")
     want = (slow_sod_weights(d.detach(), amask.long(), 0.0) * d * amask).sum() / amask.sum()
@@ -129,7 +130,7 @@ def acsd_run(layer, scale=1.0, rate=0.1):
     run.state = variants.acsd_state(run)
     ids = torch.randint(2, 40, (4, 7))
     amask = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 1, 0]], dtype=torch.float)
-    b = methods.Batch([None] * 4, ids, amask, torch.ones(4, 7, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    b = registry.Batch([None] * 4, ids, amask, torch.ones(4, 7, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 0.0]))
     return run, b
 
 
@@ -203,7 +204,7 @@ def tiny_run(out, name, *extra):
 def batch_of(run, n=4):
     torch.manual_seed(0)
     eps, bodies, masks = train.rollout(run.model, run.tok, run.env, run.env.train_tasks[:n])
-    return methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, "cpu"), torch.tensor([1.0, 0.0, 1.0, 0.0][:n]))
+    return registry.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, "cpu"), torch.tensor([1.0, 0.0, 1.0, 0.0][:n]))
 
 
 def slow_gae(values, reward, mask, lam):

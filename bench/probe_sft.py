@@ -3,7 +3,7 @@ training tasks (the oracle), as many steps of as many episodes as a default run 
 held-out reward every 40 steps. What a student could learn in the budget if it were shown the
 answer, for comparison with what on-policy distillation takes from a teacher.
 
-    python scripts/probe_sft.py LR STEPS SEED        (e.g. 1e-3 160 100; not part of the test suite)"""
+    python bench/probe_sft.py LR STEPS SEED        (e.g. 1e-3 160 100; not part of the test suite)"""
 import json
 import os
 import random

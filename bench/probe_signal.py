@@ -5,7 +5,7 @@ tool), the first token of a later turn (a later decision), any other token (argu
 punctuation); split by family (opaque or transparent) and outcome. Prints each class's share
 of the tokens and of the forward KL, the KL per token, and how often the two argmaxes agree.
 
-    python scripts/probe_signal.py METHOD SEED [train.py flags]   (e.g. opsd 100; not part of the test suite)"""
+    python bench/probe_signal.py METHOD SEED [train.py flags]   (e.g. opsd 100; not part of the test suite)"""
 import os
 import random
 import sys
@@ -14,9 +14,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import lopd  # noqa: E402
-import methods  # noqa: E402
 import model as M  # noqa: E402
 import train  # noqa: E402
+from plumbing import registry  # noqa: E402
 
 method, seed, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 os.chdir(ROOT)
@@ -29,7 +29,7 @@ tasks = random.Random(5).sample(env.train_tasks, 256)
 with torch.no_grad():
     for i in range(0, len(tasks), 32):
         eps, bodies, masks = train.rollout(run.model, run.tok, env, tasks[i:i + 32])
-        b = methods.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps]))
+        b = registry.Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps]))
         teacher = train.teacher_phase(run, b)
         ls = M.logits_on(run.model, M.bos_prefix(run.model, run.tok, len(eps)), b.ids, b.attn, 0)
         fkl, rkl = lopd.divergence(ls, teacher.logits, 'fkl'), lopd.divergence(ls, teacher.logits, 'rkl')  # (B, T)

@@ -1,0 +1,79 @@
+"""The compare's entries and flags, from the method registry: every method's own entry, its
+ablations (Method.bench), the quick set, the tuning grid; and train.py's own parser, through which
+every run's flags pass. bench/compare.py runs them, bench/gap.py reports on them."""
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import sys
+
+import train  # its import registers every method (LOPD, and plugins/)
+from plumbing.registry import METHODS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
+
+
+# entry -> train.py flags: every method's own entry first, then the ablations (methods.py, Method.bench)
+_BENCH = sorted(((e, name, b) for name, m in METHODS.items() for e, b in m.bench.items()),
+                key=lambda x: x[0] not in METHODS)
+ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
+# --quick: the quick entries × 3 seeds, 1024 episodes, evaluated every 256 episodes (at the default batch of 16) on 500 tasks
+QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
+QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
+# --tune: the same grid for every method, its learning rate ×1/3, ×1, ×3 and one other setting of its key
+# knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
+# noise on seed 0 and again on CONFIRM_SEED (report.choose_setting). Ablations take their method's choice (lopd-m0 keeps its margin 0: entry flags win).
+def tuning_grid(name, m):
+    """[default, lr / 3, lr × 3, the knob's other setting] (each a list of train.py flags)."""
+    lr = lambda x: ['--lr', f'{x:.0e}'.replace('e-0', 'e-')]  # 1e-3 / 3 -> 3e-4
+    knob = m.bench.get(name, {}).get('knob')
+    return [[], lr(m.lr / 3), lr(m.lr * 3)] + ([knob] if knob else [])
+
+
+TUNE = {name: tuning_grid(name, m) for name, m in METHODS.items()}
+CONFIRM_SEED = 100  # the second validation seed, where a setting that beat the default on seed 0 runs again beside it
+# seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
+COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
+OWN = ('--method', '--seed', '--name', '--resume')  # set by bench per run, never forwarded
+
+
+def die(msg):
+    print(f'bench: error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        die(message)
+
+
+def method_of(entry):
+    f = ENTRIES[entry]
+    return f[f.index('--method') + 1]
+
+
+# ----------------------------------------------------------------------------- planning runs
+
+def train_args(flags):
+    """train.py's own parser on these flags -> its Args; a bad flag is bench's one-line error."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return train.parse_args(flags)
+    except SystemExit:
+        die(f"train.py rejects `{' '.join(flags)}`: {err.getvalue().strip().removeprefix('train.py: error: ')}")
+
+
+def for_method(flags, method):
+    """Drop the flags (and their values) that the method does not read: a compare forwards e.g.
+    --cold_start_steps to every entry, and only the runs of methods that have it take it."""
+    bools = {f.name for f in dataclasses.fields(train.config_class()) if f.type is bool}
+    foreign = {k for m in METHODS.values() for k in m.flags} - set(METHODS[method].flags)
+    out, i = [], 0
+    while i < len(flags):
+        name = flags[i][2:].split('=')[0] if flags[i].startswith('--') else None
+        n = 1 if name is None or name in bools or '=' in flags[i] else 2
+        out += [] if name in foreign else flags[i:i + n]
+        i += n
+    return out
