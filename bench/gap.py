@@ -166,7 +166,7 @@ def teacher_gap(o, out_dir, cmp_dir):
     its run (warm-up, base evaluation, setup: LOPD's cold start) and measure gap_rows on the first
     --gap_tasks held-out tasks. -> teacher_gap.md / .json in the compare folder."""
     import torch
-    import bookkeeping
+    from plumbing import bookkeeping
     t0, rows, student = time.time(), {}, None
     entries = {m: ['--method', m] for m, x in METHODS.items() if x.context and (not o.methods or m in o.entries)}
     entries.update({k: v for k, v in GAP_EXTRA.items() if not o.methods or k in o.entries})

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
+from plugins import tooluse_v1  # noqa: E402
 from plumbing import bookkeeping as bk  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
@@ -19,6 +20,7 @@ import tokenizer  # noqa: E402
 from plugins import variants  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
+import warmup  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 from plugins import baselines  # noqa: E402
 from plumbing import registry  # noqa: E402
@@ -28,7 +30,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def env():
-    return envs.ToolUseV1(n_train=200, n_eval=20)
+    return tooluse_v1.ToolUseV1(n_train=200, n_eval=20)
 
 
 def fake_run(env, method, state=None, **kw):

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def env():
-    return envs.ToolUseV1(n_train=200, n_eval=20)
+    return tooluse_v1.ToolUseV1(n_train=200, n_eval=20)
 
 
 @pytest.fixture(scope="module")

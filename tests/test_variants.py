@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envs  # noqa: E402
+from plugins import tooluse_v1  # noqa: E402
 import lopd  # noqa: E402
 import model as M  # noqa: E402
 from plugins import variants  # noqa: E402
@@ -29,7 +30,7 @@ VARIANTS = ["psp", "sod", "acsd", "vaspo"]
 def test_psp_resamples_only_the_tasks_whose_rollouts_all_failed_with_their_feedback():
     """Group 0 (task a) all fail, group 1 (task b) has a success: only a's 4 rollouts are sampled
     again, with the feedback of a's first rollout in the student's context; both samplings count."""
-    env = envs.ToolUseV1(n_train=20, n_eval=4)
+    env = tooluse_v1.ToolUseV1(n_train=20, n_eval=4)
     a, b = env.train_tasks[:2]
     calls = []
 

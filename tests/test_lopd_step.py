@@ -1,0 +1,92 @@
+"""train.lopd_step is LOPD's Algorithm 1 and nothing else: its seven blocks, called one by one as
+notebook 4 calls them, give the same θ, φ, β and bank as the function, from the same checkpoint."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+import lopd  # noqa: E402
+import model as M  # noqa: E402
+import retrieval  # noqa: E402
+import train  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
+from plumbing import bookkeeping as bk  # noqa: E402
+from plumbing import parallel  # noqa: E402
+from plumbing.registry import with_default  # noqa: E402
+
+torch.set_num_threads(1)
+ARGS = ["--method", "lopd", "--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", "--init_episodes", "32",
+        "--cold_start_steps", "2", "--composer_phase", "--lr_composer", "1e-3", *TINY_BASE]
+
+
+def by_hand(run):
+    """LOPD's step, block by block, as notebook 4 writes it (no timers, no logs)."""
+    a, s, tok = run.args, run.state, run.tok
+    tasks = run.rng.sample(run.env.train_tasks, a.batch)
+    # 1. rollout
+    eps, bodies, masks = parallel.shared(run, lambda ts: train.rollout(run.model, tok, run.env, ts, temperature=a.temperature), tasks)
+    ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)
+    reward = torch.tensor([e.reward for e in eps])
+    run.episodes += len(eps)
+    # 2. retrieve
+    found = retrieval.retrieve(run, tasks)
+    # 3. compose
+    z, z0 = retrieval.compose(run, tasks, found, grad=True)
+    prefixes = retrieval.latent_prefixes(run, z, found)
+    keep = torch.tensor([p is not None for p in prefixes])
+    # 4. teacher phase
+    logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn)
+    # 5. student phase, eq. (1)
+    logits_s = M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn)
+    loss_distill = lopd.distill_loss(logits_s, logits_t, amask * keep[:, None], "rkl")
+    logits_s = logits_s.detach()
+    bk.optimizer_step(run, run.opt, loss_distill, run.model)
+    # 6. composer phase, eq. (3) with the margin (2), then the dual step on β
+    loss_phi, delta, anchor = lopd.composer_loss(logits_s[keep], logits_t[keep], ids[keep], amask[keep], reward[keep],
+                                                 s["beta"], a.margin, a.lam, z, z0)
+    bk.optimizer_step(run, s["opt_phi"], loss_phi, retrieval.phi_params(s["composer"], s["reader"]))
+    s["beta"] = lopd.dual_update(s["beta"], a.margin, delta, a.eta_beta)
+    # 7. write back
+    retrieval.write_back(run, eps)
+    run.step += 1
+    return delta
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, base_in):
+    """A LOPD run after its setup, as train.build leaves it (its first checkpoint)."""
+    out = base_in(tmp_path_factory.mktemp("runs"))
+    os.makedirs(out / "step")
+    train.build(train.parse_args([*ARGS, "--out_dir", str(out), "--name", "step"]))
+    return str(out / "step")
+
+
+def state(run):
+    return {"theta": {k: v.clone() for k, v in M.trainable_state(run.model).items()},
+            "phi": {k: v.clone() for k, v in run.state["composer"].state_dict().items()},
+            "beta": run.state["beta"], "bank": [e.task_id for e in run.state["bank"].exps], "episodes": run.episodes}
+
+
+def test_the_blocks_one_by_one_are_the_step(checkpoint):
+    before = state(train.load_run(checkpoint))
+    run = train.load_run(checkpoint)
+    for _ in range(2):
+        train.lopd_step(run)
+    fn = state(run)
+    run = train.load_run(checkpoint)  # the same checkpoint, every RNG as it was
+    deltas = [by_hand(run) for _ in range(2)]
+    hand = state(run)
+    assert fn["beta"] == hand["beta"] and fn["bank"] == hand["bank"] and fn["episodes"] == hand["episodes"]
+    assert all(torch.equal(fn["theta"][k], hand["theta"][k]) for k in fn["theta"])
+    assert all(torch.equal(fn["phi"][k], hand["phi"][k]) for k in fn["phi"])
+    # and the step did something: θ and φ moved, β moved with Δ, the bank grew
+    assert any(not torch.equal(fn["theta"][k], before["theta"][k]) for k in fn["theta"])
+    assert any(not torch.equal(fn["phi"][k], before["phi"][k]) for k in fn["phi"])
+    want_beta = before["beta"]
+    for d in deltas:
+        want_beta = max(0.0, want_beta + run.args.eta_beta * (run.args.margin - float(d)))
+    assert fn["beta"] == pytest.approx(want_beta) and np.isfinite(fn["beta"])
