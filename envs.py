@@ -23,7 +23,7 @@ fraction of the task's checks (one per word: "its person is marked") that pass o
 state. Sub-goals may be done in any order. 3 words spell their chain; 8 opaque words do not, so
 40 of the 46 families can only be learned from experience, and they share words.
 
-Tool use, first version (`tooluse-v1`, tooluse_v1.py, kept so that old numbers stay reproducible): one tool
+Tool use, first version (`tooluse-v1`, plugins/tooluse_v1.py, kept so that old numbers stay reproducible): one tool
 plan per family, 5 transparent and 5 opaque families, 0/1 reward for `answer y`. Each task
 draws 12 people with a city, team and manager; the agent calls `manager(x)`, `city(x)`,
 `team(x)`, `lead(t)`, then answers; one opaque family ("snarfle") never appears in the warm-up.
@@ -32,11 +32,11 @@ In both, each world is redrawn until no other plan an episode can run reaches a 
 passed check always means the right plan (a lucky hit from a wrong plan would be an experience
 that teaches the wrong plan), and answers can only be known by calling the tools.
 
-Code generation (`codegen`, codegen.py; multi-turn, up to two attempts). The task shows input/output examples
+Code generation (`codegen`, plugins/codegen.py; multi-turn, up to two attempts). The task shows input/output examples
 of a small list or string function; the agent writes `lambda x: ...` in a restricted
 Python-expression subset, run against hidden tests by `sandbox.safe_eval`, a small AST
 interpreter with size and step budgets (the security boundary: its rules are in
-sandbox.py). A failed first attempt gets the first failing test as feedback.
+plugins/sandbox.py). A failed first attempt gets the first failing test as feedback.
 
 Left out: tools with several arguments, undoing a write, statements in programs.
 """

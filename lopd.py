@@ -18,8 +18,7 @@
 Shapes: B rollouts, T tokens, V vocabulary, d model width, K latents per experience,
 J experiences per task. `mask` is the agent-token mask A: 1 on tokens the agent
 generated, 0 on prompt, observation and padding tokens. Nothing here does I/O or keeps
-state; train.py owns the models and the loop, methods.py (and lopd_method.py) say which method
-uses what.
+state; train.py owns the models and the loop (LOPD's step is train.lopd_step), plugins/ the baselines.
 
 References: LOPD, Zhang et al. 2026 (arXiv 2608.13040): the distillation loss, the composer,
 the privileged margin and its dual update; GKD, Agarwal et al. 2024 (generalized JSD);
@@ -60,7 +59,7 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
     """Per-position divergence between two (…, V) log-distributions -> (…).
 
     rkl: KL(student ‖ teacher), mode-seeking: the student is punished for mass where the
-         teacher has none (the OPSD/LOPD default).
+         teacher has none (LOPD's and SDPO's; OPSD and SDFT use fkl as the LOPD paper ran them).
     fkl: KL(teacher ‖ student), mass-covering.
     jsd: generalized JSD(β) = β KL(T ‖ M) + (1−β) KL(S ‖ M), M = β T + (1−β) S
          (Agarwal et al. 2024, GKD; OPSD uses β = 0.5, the symmetric JSD). At β = 0 and 1 the
@@ -163,7 +162,7 @@ class Composer(nn.Module):
 
     def from_reading(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
-        A frozen reading does not change, so it can be pooled once and reused (lopd_method.cold_start)."""
+        A frozen reading does not change, so it can be pooled once and reused (warmup.cold_start)."""
         return self.mlp(pooled)
 
 

@@ -1,6 +1,6 @@
 """The model behind one small interface, and the token-level helpers on top of it.
 
-The algorithm (lopd.py, methods.py, train.py) only needs: a tokenizer (tokenizer.py: encode/decode
+The algorithm (lopd.py, retrieval.py, train.py) only needs: a tokenizer (tokenizer.py: encode/decode
 and the turn layout), the embedding matrix (to build `inputs_embeds`), and a causal LM that accepts
 `inputs_embeds`. Two ways to get them (`load`):
 

@@ -9,8 +9,8 @@ tokens, which go where a text context would go in the teacher's prompt (step 3).
 are written back (step 7).
 
     bank = ExperienceBank(hashing_embedder())
-    bank.add([Experience("t1", "q3", "q3 bob", "lookup(team, bob) -> red ...", 1.0)])
-    bank.retrieve(["q3 alice"], ["t2"], J=3)   # -> [[Experience(task_id="t1", ...)]]
+    bank.add([Experience("t1", "zorb of X", "zorb of bo", "manager(bo) -> gus; manager(gus) -> wes; mark(wes)", 1.0)])
+    bank.retrieve(["zorb of ada"], ["t2"], J=1)   # -> [[Experience(task_id="t1", ...)]]
 
 What it leaves out:
 - An index. The paper embeds with an outside embedding model and searches a flat FAISS

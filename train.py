@@ -60,10 +60,11 @@ class Args:
                              open_lo=True, after_setup=True, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
     eval_every: int = arg(64, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
-    eval_tasks: int = arg(500, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, group=RUN)
+    eval_tasks: int = arg(500, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, after_setup=True, group=RUN)
     eval_samples: int = arg(1, 'samples per held-out task at temperature 0.7, besides the greedy one (0 = greedy only)', lo=0,
+                            after_setup=True, group=RUN)
+    teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)', lo=0, after_setup=True,
                             group=RUN)
-    teacher_eval: int = arg(100, 'held-out tasks on which the teacher decodes with its context (0 = off)', lo=0, group=RUN)
     name: str = arg('', "run name ('' = <method>-<env>-s<seed>)", after_setup=True, group=RUN)
     out_dir: str = arg('runs', 'where runs/<name>/ and the caches go', after_setup=True, group=RUN)
     resume: str = arg('', 'resume from a run folder or its ckpt.pt', after_setup=True, group=RUN)
@@ -165,7 +166,7 @@ def lopd_step(run):
     A·δ are means over its own tokens, averaged over rollouts; β moves on Δ weighted by tokens."""
     a, s, tok = run.args, run.state, run.tok
     tasks = run.rng.sample(run.env.train_tasks, a.batch)
-    train_phi = a.composer_phase
+    train_phi = not a.freeze_composer                                          # step 6 on (the ablation: off)
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
         eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature), tasks)
@@ -247,21 +248,21 @@ def lopd_context(run, eps):
     return retrieval.latents(run, eps, grad=False, found=found)
 
 
-PHASE = 'composer_phase'  # the flags of step 6 act only with it
+FROZEN = 'freeze_composer'  # the flags of step 6 act only without it
 LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
     'K': arg(64, 'latent tokens per retrieved experience (64: more than a tool-use experience has tokens; the paper: 32)',
              lo=1),
     'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
                     "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
                     "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
-    'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, needs=PHASE),
-    'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, needs=PHASE),
+    'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, unless=FROZEN),
+    'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, unless=FROZEN),
     'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
-                  after_setup=True, needs=PHASE),
-    'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, needs=PHASE),
+                  after_setup=True, unless=FROZEN),
+    'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, unless=FROZEN),
     'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
                        "KL term pulls the teacher onto the student)", lo=0, after_setup=True,
-                       needs=PHASE),
+                       unless=FROZEN),
     'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
     'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '
                             'whose latents start as the experience\'s embeddings)', lo=0),
@@ -273,21 +274,20 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
     'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                   choices=['frozen', 'trained']),
     'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
-                     choices=['paper', 'centered'], after_setup=True, needs=PHASE),
-    'composer_phase': arg(False, "step 6, the paper's: train φ after each student step on the KL, the margin and "
-                          "the anchor (off by default: in the miniature it lowers the teacher and the student)",
-                          after_setup=True)
+                     choices=['paper', 'centered'], after_setup=True, unless=FROZEN),
+    'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
+                           "(no margin, no β)", after_setup=True)
 }
 
 register('lopd', Method(
     distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
     state=lopd_state, setup=warmup.cold_start, step=lopd_step, flags=LOPD_FLAGS,
-    bench={'lopd': dict(knob=['--cold_start_steps', '300'], cost=280, quick=True),
-           'lopd-phase': dict(flags=['--composer_phase'], cost=670, quick=True),
-           'lopd-m0': dict(flags=['--composer_phase', '--margin', '0'], cost=350, quick=True),
+    bench={'lopd': dict(knob=['--cold_start_steps', '300'], cost=350, quick=True),
+           'lopd-frozen': dict(flags=['--freeze_composer'], cost=280, quick=True),
+           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True),
            # the ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
-           'lopd-m0.2': dict(flags=['--composer_phase', '--margin', '0.2'], cost=350),
-           'lopd-centered': dict(flags=['--composer_phase', '--advantage', 'centered'], cost=350),
+           'lopd-m0.2': dict(flags=['--margin', '0.2'], cost=350),
+           'lopd-centered': dict(flags=['--advantage', 'centered'], cost=350),
            'lopd-k16': dict(flags=['--K', '16'], cost=280),
            'lopd-j3': dict(flags=['--J', '3'], cost=300),
            'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),

@@ -14,7 +14,7 @@ from plumbing.registry import METHODS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
 
 
-# entry -> train.py flags: every method's own entry first, then the ablations (methods.py, Method.bench)
+# entry -> train.py flags: every method's own entry first, then the ablations (Method.bench of each registered method)
 _BENCH = sorted(((e, name, b) for name, m in METHODS.items() for e, b in m.bench.items()),
                 key=lambda x: x[0] not in METHODS)
 ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}

@@ -91,7 +91,7 @@ STEP0_FLAGS = {'--K', '--J', '--cold_start', '--cold_start_steps', '--cold_start
 
 def gap_row(entry, table):
     """The teacher-gap row of a compare entry: its own, its control's, or else its method's if the
-    entry's flags leave the step-0 teacher as the method's (lopd-phase: lopd's; lopd-k16: none). -> name or None."""
+    entry's flags leave the step-0 teacher as the method's (lopd-frozen: lopd's; lopd-k16: none). -> name or None."""
     row = entry if entry in table else CONTROL_ROWS.get(entry)
     if row is None and entry in ENTRIES and not STEP0_FLAGS & set(ENTRIES[entry]):
         row = method_of(entry)

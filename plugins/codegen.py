@@ -30,7 +30,7 @@ from retrieval import Experience
 # feedback turn is for. 'mirror' never appears in the warm-up data.
 #
 # The programs are model output, i.e. hostile input: they are checked against an AST
-# whitelist and run by a small interpreter (sandbox.py) with size and step budgets,
+# whitelist and run by a small interpreter (plugins/sandbox.py) with size and step budgets,
 # never by Python's eval. Left out: statements, dicts and sets (set order of strings
 # varies between processes, which would make rewards irreproducible), partial credit.
 

@@ -45,7 +45,7 @@ def fingerprint(files=()):
     return hashlib.sha1(b''.join(open(p, 'rb').read() for p in paths)).hexdigest()[:10]
 
 
-CODE = fingerprint()  # in config.json, summary.json, ckpt.pt: bench.py reruns a run made by other code
+CODE = fingerprint()  # in config.json, summary.json, ckpt.pt: the bench reruns a run made by other code
 
 
 def code_of(method):
@@ -58,12 +58,13 @@ def code_of(method):
 
 # ----------------------------------------------------------------------------- config fields and errors
 
-def arg(default, help, choices=None, lo=None, hi=None, open_lo=False, after_setup=False, group=None, needs=None):
-    """A config field: its default, help, and what argparse and check_ranges enforce.
+def arg(default, help, choices=None, lo=None, hi=None, open_lo=False, after_setup=False, group=None, unless=None):
+    """A config field: its default, help, and what argparse and check_ranges enforce (choices: a list,
+    or a function that gives it once the plugins are imported).
     after_setup: the flag acts only after a method's setup, so runs that differ in it share one.
-    needs: the switch without which nothing reads it (given alone, it is refused)."""
+    unless: the switch with which nothing reads it (given with it, it is refused)."""
     return field(default=default, metadata=dict(help=help, choices=choices, lo=lo, hi=hi, open_lo=open_lo,
-                                                after_setup=after_setup, group=group, needs=needs))
+                                                after_setup=after_setup, group=group, unless=unless))
 
 
 def check_ranges(args):
@@ -264,7 +265,7 @@ def cached(path, what, build, apply, device):
     the dict to save, saved atomically. -> True if it came from the cache. A corrupt or
     unreadable file, or one whose contents do not fit (apply raises before changing
     anything), is reported in one line and rebuilt. train.py prints '<what>: [cached ]<path>',
-    which bench.py waits for."""
+    which the bench waits for."""
     if os.path.exists(path):
         try:
             apply(torch.load(path, map_location=device, weights_only=False))
@@ -288,7 +289,7 @@ def load_module(module, saved):
 def setup_key(args, warm_path, code):
     """What a method's setup depends on: every flag but those marked after_setup, the base, the code,
     and the CPU threads it is built on (sums split over threads round differently: a cold start that
-    bench.py built on one thread and one that train.py built on two differ, and sharing one cache moved
+    the bench built on one thread and one that train.py built on two differ, and sharing one cache moved
     LOPD's quick-compare rows by up to 2.6 points, depending on which process had built it)."""
     kept = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.metadata.get('after_setup')}
     return json.dumps([kept, os.path.basename(warm_path), code, torch.get_num_threads()], sort_keys=True)
@@ -296,7 +297,7 @@ def setup_key(args, warm_path, code):
 
 def cached_setup(run, setup, warm_path):
     """A method's one-time setup (LOPD: bank filling + cold start), cached under out_dir like the
-    warm-up: LOPD and its ablations of one seed (--composer_phase, --margin 0) differ only after
+    warm-up: LOPD and its ablations of one seed (--freeze_composer, --margin 0) differ only after
     it, so they share one (setup-<method>-<env>-s<seed>-<hash>.pt). The cache holds everything a setup changes, RNG states included, so a
     run that loads it continues exactly as if it had built it (tests/test_reliability.py)."""
     a = run.args

@@ -60,6 +60,9 @@ def parse_args(Args, argv=None, description=''):
     return bk.resume_config(a, argv, Config) if a.resume else a
 
 
+SETUP_BUDGETS = ('init_episodes', 'pool_episodes', 'steer_episodes')  # a method's setup rollouts, counted in --episodes
+
+
 def check_args(a, given):
     """What argparse's choices and the fields' ranges do not cover (given: the flags on the command
     line): one line each, exit status 2."""
@@ -68,9 +71,13 @@ def check_args(a, given):
     for k in sorted(given - set(m.flags)):
         if readers(k):
             die(f'--{k} applies to {", ".join(readers(k))} only, not {a.method}')
-    for f in dataclasses.fields(a):  # e.g. --margin without --composer_phase would be read by nothing
-        if f.name in given and f.metadata.get('needs') and not getattr(a, f.metadata['needs']):
-            die(f'--{f.name} acts only with --{f.metadata["needs"]}')
+    for f in dataclasses.fields(a):  # e.g. --margin with --freeze_composer would be read by nothing
+        if f.name in given and f.metadata.get('unless') and getattr(a, f.metadata['unless']):
+            die(f'--{f.name} acts only without --{f.metadata["unless"]}')
+    setup = {k: getattr(a, k) for k in SETUP_BUDGETS if k in m.flags and m.setup}
+    if not a.setup_free and a.episodes < sum(setup.values()):  # the setup would spend the budget and train nothing
+        die(f'--episodes {a.episodes} is below the {sum(setup.values())} episodes {a.method}\'s setup samples first '
+            f'({", ".join(f"--{k} {v}" for k, v in setup.items())}): raise --episodes, lower them, or add --setup_free')
     if a.batch % m.group:
         die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
     ranks = int(os.environ.get('WORLD_SIZE', 1))

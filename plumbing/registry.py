@@ -68,9 +68,9 @@ class Method:
     after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
     step: Optional[Callable] = None      # (run) -> None: a whole step of its own (LOPD's: train.lopd_step); None = train.train_step
     flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
-    bench: dict = field(default_factory=dict)  # bench.py entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
+    bench: dict = field(default_factory=dict)  # the bench entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
     #                                            method's own entry knob=[flags]: another setting of its key knob, which
-    #                                            bench.py --tune tries beside the learning rate ×1/3, ×1, ×3
+    #                                            the bench --tune tries beside the learning rate ×1/3, ×1, ×3
 
 
 METHODS: dict = {}

@@ -286,7 +286,7 @@ def test_a_run_made_by_other_code_is_stale_and_run_again(tmp_path, monkeypatch):
 
 
 def test_longest_runs_go_first_and_a_shared_cold_start_is_built_once(tmp_path, monkeypatch):
-    """lopd-phase and lopd-m0 of one seed share LOPD's cold start: the first launched builds
+    """lopd-m0 and lopd-frozen of one seed share LOPD's cold start: the first launched builds
     it, the other starts only once it is cached; GRPO (short) goes last, not waiting."""
     out, log, lock = str(tmp_path), [], threading.Lock()
 
@@ -307,12 +307,12 @@ def test_longest_runs_go_first_and_a_shared_cold_start_is_built_once(tmp_path, m
         return 0
     monkeypatch.setattr(bench, "launch", launch)
     with pytest.raises(SystemExit):
-        bench.main(["--methods", "grpo,lopd-phase,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
+        bench.main(["--methods", "grpo,lopd-frozen,lopd-m0", "--seeds", "1", "--out_dir", out, "--episodes", "64"])
     starts = [name for what, name in log if what == "start"]
-    assert [n.split("-tooluse")[0] for n in starts] == ["cmp-lopd-phase", "cmp-lopd-m0", "cmp-grpo"]
+    assert [n.split("-tooluse")[0] for n in starts] == ["cmp-lopd-m0", "cmp-lopd-frozen", "cmp-grpo"]
     assert log.index(("start", starts[1])) > log.index(("cached", starts[0]))  # waited for the cache
     runs = bench.plan("cmp", "lopd-m0", bench.ENTRIES["lopd-m0"], bench.ENTRIES["lopd-m0"], "tooluse", 1), \
-        bench.plan("cmp", "lopd-phase", bench.ENTRIES["lopd-phase"], bench.ENTRIES["lopd-phase"], "tooluse", 1), \
+        bench.plan("cmp", "lopd-frozen", bench.ENTRIES["lopd-frozen"], bench.ENTRIES["lopd-frozen"], "tooluse", 1), \
         bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], bench.ENTRIES["lopd"], "tooluse", 2), \
         bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], ["--lr", "3e-4"] + bench.ENTRIES["lopd"], "tooluse", 1)
     assert runs[0]["setup"] == runs[1]["setup"]  # same seed, differ only after the cold start
@@ -331,9 +331,9 @@ def test_entries_tuning_and_costs_come_from_the_registry(monkeypatch):
     try:
         assert b.ENTRIES["grpo2"] == ["--method", "grpo2"] and b.ENTRIES["grpo2-slow"] == ["--method", "grpo2", "--lr", "1e-5"]
         assert b.TUNE["grpo2"] == [[], ["--lr", "3e-4"], ["--lr", "3e-3"], ["--batch", "8"]] and b.COST["grpo2"] == 1
-        assert list(b.ENTRIES).index("grpo2") < list(b.ENTRIES).index("lopd-phase")  # methods first, then ablations
-        assert b.for_method(["--cold_start_steps", "3", "--composer_phase", "--lr", "1e-3"], "grpo2") == ["--lr", "1e-3"]
-        assert b.for_method(["--cold_start_steps=3", "--composer_phase"], "lopd") == ["--cold_start_steps=3", "--composer_phase"]
+        assert list(b.ENTRIES).index("grpo2") < list(b.ENTRIES).index("lopd-frozen")  # methods first, then ablations
+        assert b.for_method(["--cold_start_steps", "3", "--freeze_composer", "--lr", "1e-3"], "grpo2") == ["--lr", "1e-3"]
+        assert b.for_method(["--cold_start_steps=3", "--freeze_composer"], "lopd") == ["--cold_start_steps=3", "--freeze_composer"]
     finally:
         monkeypatch.undo()
         importlib.reload(entries)
@@ -391,14 +391,14 @@ def test_spearman_against_hand_values():
 def test_utility_correlation_pairs_each_run_with_its_methods_row(tmp_path):
     """Each (entry, seed) of results.json is a pair (its method's statistic, final − base); an
     ablation takes its method's row; entries without a row (no teacher) are left out."""
-    results = {"entries": {"lopd": {"final": [0.6, 0.7], "base_mean": 0.5}, "lopd-phase": {"final": [0.4], "base_mean": 0.5},
+    results = {"entries": {"lopd": {"final": [0.6, 0.7], "base_mean": 0.5}, "lopd-frozen": {"final": [0.4], "base_mean": 0.5},
                            "opsd": {"final": [0.3, 0.2], "base_mean": 0.5}, "grpo": {"final": [0.9], "base_mean": 0.5},
                            "sdpo": None}}
     (tmp_path / "results.json").write_text(json.dumps(results))
     table = {"student": {"success": 0.5}, "lopd": {"success": 0.8, "kl_success": 0.1, "kl_failure": 0.3},
              "opsd": {"success": 0.6, "kl_success": 0.2, "kl_failure": None}}
     corr = gap.utility_correlation(str(tmp_path), table)
-    gains = [0.1, 0.2, -0.1, -0.2, -0.3]  # lopd ×2, lopd-phase (lopd's row), opsd ×2
+    gains = [0.1, 0.2, -0.1, -0.2, -0.3]  # lopd ×2, lopd-frozen (lopd's row), opsd ×2
     assert corr["teacher gap"] == (pytest.approx(gap.spearman([0.3, 0.3, 0.3, 0.1, 0.1], gains)), 5)
     assert corr["KL, failures"] == (None, 3)   # opsd has no failed rollout: 3 pairs, all of one value
     assert corr["KL, failures − successes"][1] == 3
@@ -438,7 +438,7 @@ def test_predictive_law_fits_the_pairs_and_resamples_whole_entries(tmp_path):
     table = {"student": {"success": 0.5}, "lopd": {"success": 0.8}, "opsd": {"success": 0.6}, "sdpo": {"success": 0.55}}
     line = lambda g: 0.01 + 0.5 * g   # gain = 0.01 + 0.5 · gap
     results = {"entries": {"lopd": {"final": [0.5 + line(0.3)] * 2, "base_mean": 0.5},
-                           "lopd-phase": {"final": [0.5 + line(0.3)], "base_mean": 0.5},
+                           "lopd-frozen": {"final": [0.5 + line(0.3)], "base_mean": 0.5},
                            "opsd": {"final": [0.5 + line(0.1)] * 3, "base_mean": 0.5},
                            "sdpo": {"final": [0.5 + line(0.05)], "base_mean": 0.5}, "grpo": {"final": [0.9], "base_mean": 0.5}}}
     (tmp_path / "results.json").write_text(json.dumps(results))
@@ -511,7 +511,7 @@ def test_law_section_fits_without_lopd_and_lists_every_entry(tmp_path):
     table = {"student": {"success": 0.5}, "lopd": {"success": 0.8}, "opsd": {"success": 0.6},
              "sdpo": {"success": 0.55}, "sdft": {"success": 0.7}, "opsd-donor": {"success": 0.52}}
     results = {"entries": {"lopd": {"final": [0.9, 0.95], "base_mean": 0.5},    # far above the others' line
-                           "lopd-phase": {"final": [0.9], "base_mean": 0.5},
+                           "lopd-frozen": {"final": [0.9], "base_mean": 0.5},
                            "opsd": {"final": [0.55, 0.56], "base_mean": 0.5}, "sdpo": {"final": [0.525], "base_mean": 0.5},
                            "sdft": {"final": [0.6], "base_mean": 0.5}, "opsd-other": {"final": [0.51], "base_mean": 0.5},
                            "grpo": {"final": [0.6], "base_mean": 0.5}}}
@@ -521,7 +521,7 @@ def test_law_section_fits_without_lopd_and_lists_every_entry(tmp_path):
     assert table["predictive_law"]["pairs"] == 8 and table["predictive_law_without_lopd"]["pairs"] == 5
     rest = [(0.1, 0.05), (0.1, 0.06), (0.05, 0.025), (0.2, 0.1), (0.02, 0.01)]   # (gap, gain) of the non-LOPD runs
     assert table["predictive_law_without_lopd"]["slope"][0] == pytest.approx(gap.ols(*zip(*rest))[0])
-    assert "| opsd-other | opsd-donor | +0.020 | +0.010 | 1 |" in md and "| lopd-phase | lopd | +0.300 | +0.400 | 1 |" in md
+    assert "| opsd-other | opsd-donor | +0.020 | +0.010 | 1 |" in md and "| lopd-frozen | lopd | +0.300 | +0.400 | 1 |" in md
     assert "| lopd | lopd | +0.300 | +0.425 | 2 |" in md and "grpo" not in md.split("| entry |")[1]
     assert gap.law_section(str(tmp_path / "nowhere"), table) == []
 

@@ -141,8 +141,8 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--topk", "-3"], ["--topk"]),
     # incompatible or malformed (issue 6)
     (["--dtype", "fp16"], ["--dtype", "fp16"]),
-    (["--composer_phase", "--method", "grpo"], ["--composer_phase", "lopd"]),
-    (["--margin", "0"], ["--margin", "--composer_phase"]),                     # read by nothing without φ's phase
+    (["--freeze_composer", "--method", "grpo"], ["--freeze_composer", "lopd"]),
+    (["--margin", "0", "--freeze_composer"], ["--margin", "without --freeze_composer"]),  # read by nothing with φ frozen
     (["--allow_same_task", "--method", "opsd"], ["--allow_same_task", "opsd"]),
     (["--model", "./no/such/model"], ["--model", "./no/such/model"]),
     (["--model", "/no/such/model.gguf"], ["--model", "/no/such/model.gguf", "file"]),
@@ -151,6 +151,9 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--ema_rate", "1.5", "--method", "sdpo"], ["--ema_rate", "1.5"]),
     (["--warmup_ctx", "1.5"], ["--warmup_ctx", "1.5"]),
     (["--max_skips", "0"], ["--max_skips"]),
+    # a budget the setup spends whole: it would train nothing (issue 52)
+    (["--method", "opsd", "--episodes", "96"], ["--episodes 96", "512", "--pool_episodes", "--setup_free"]),
+    (["--episodes", "100", "--init_episodes", "128"], ["--episodes 100", "--init_episodes 128"]),
 ])
 def test_more_bad_arguments_in_process(capsys, argv, words):
     """The same check, in-process (no 4 s interpreter start each)."""

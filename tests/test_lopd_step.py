@@ -20,7 +20,7 @@ from plumbing.registry import with_default  # noqa: E402
 
 torch.set_num_threads(1)
 ARGS = ["--method", "lopd", "--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", "--init_episodes", "32",
-        "--cold_start_steps", "2", "--composer_phase", "--lr_composer", "1e-3", *TINY_BASE]
+        "--cold_start_steps", "2", "--lr_composer", "1e-3", *TINY_BASE]
 
 
 def by_hand(run):

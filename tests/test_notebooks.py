@@ -2,10 +2,11 @@
 
 Every notebook in notebooks/ is executed top to bottom in a fresh `python3` kernel, with
 notebooks/ as the working directory (as when a reader opens it in Jupyter); a cell that
-raises fails the test. Each notebook takes about a minute on 2 CPU cores. The executed
-copy stays in memory: the committed outputs are not touched. The three share one warmed-up base,
-built once per test session before the first of them runs (a file lock guards it, should
-they ever run on several test workers at once). To refresh them after a change to the code, run
+raises fails the test. Each notebook takes under two minutes on 2 CPU cores. The executed
+copy stays in memory: the committed outputs are not touched. They share one warmed-up base, the
+default one `python train.py` builds (so a reader who ran it has it cached in runs/), built once per
+test session before the first of them runs (a file lock guards it, should they ever run on several
+test workers at once). To refresh them after a change to the code, run
 
     python tests/test_notebooks.py            # every notebook, outputs written in place
     python tests/test_notebooks.py notebooks/02_on_policy_self_distillation.ipynb
@@ -18,7 +19,6 @@ import glob
 import os
 import re
 import sys
-import tempfile
 import time
 
 import pytest
@@ -33,13 +33,9 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 MAX_BYTES = 500_000
 
 
-BASE = dict(d_model=64, n_layer=2, warmup_steps=300, warmup_batch=64, warmup_lr=4e-3, warmup_ctx=0.4)  # as they say
-
-
 def shared_base(runs):
-    """Build the notebooks' one warmed-up base into `runs` once (a file lock: the notebooks may
-    run on several test workers at once), exactly as the first notebook would: torch's seed
-    1234 before the model's init, one thread. -> runs."""
+    """Build the notebooks' one warmed-up base, train.py's default, into `runs` once (a file lock: the
+    notebooks may run on several test workers at once), exactly as `python train.py` would. -> runs."""
     import contextlib
     import io
 
@@ -53,7 +49,8 @@ def shared_base(runs):
     with filelock.FileLock(os.path.join(runs, "base.lock")):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        args, env = train.Args(**BASE, out_dir=runs), envs.make_env("tooluse-v1")
+        args = train.parse_args(["--out_dir", runs])
+        env = envs.make_env(args.env)
         tok, model = warmup.load_model(args, env)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warmup.warmup(args, tok, model, env, "cpu")
@@ -63,7 +60,7 @@ def shared_base(runs):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; runs/notebooks/ for a reader), in a
+    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; the repo's runs/ for a reader), in a
     folder every test worker of this session sees, with the base built in it once."""
     return shared_base(str(shared_folder(tmp_path_factory, "notebook-runs")))
 
@@ -82,33 +79,110 @@ def execute(path, runs):
     return nb
 
 
+def facts_01(out):
+    """Tool use: 46 families (40 with an opaque word), a graded reward, errors as observations, max_turns; the hand
+    warm-up's loss falls from about log V; the base passes most checks of the words that spell their chain and few
+    of the opaque ones'; sampling costs little reward and passes several times more opaque checks than greedy; the
+    rollout's tokens and agent mask equal encode_episode's on N of N; no byte garbage in what is printed."""
+    assert "\ufffd" not in out
+    assert ("46 families: 11 of one word, 35 of two; 6 without an opaque word, 32 with one, 8 with two "
+            "(40 opaque families in all)") in out
+    assert "reward 0.50   success False   feedback '1 of 2 checks passed'" in out  # the noisy expert: graded
+    for obs in ["error: unknown tool 'launch'", "error: no person 'nobody'", "error: no team 'bo'",
+                "obs 'error: write tool(arg)'", "error: bo is already marked", "obs 'ok, left: glim mentor'"]:
+        assert obs in out, obs
+    assert "after 9 turns (max_turns = 9): done, reward 0.0, feedback '0 of 2 checks passed'" in out
+    first, last, log_v = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) nats per agent token \(log V = ([\d.]+)\)",
+                                              out).groups())
+    assert abs(first - log_v) < 0.3 and last < first / 3, (first, last, log_v)
+    assert int(re.search(r"= 256 bytes \+ (\d+) merges \+ 6 specials", out).group(1)) < 256  # the text ran out of pairs
+    assert "train.py's warm-up: 800 steps of 32 demos, lr 0.003, 60% of the demos with a privileged context" in out
+    transparent, opaque = (float(re.search(rf"checks passed, {k}\s+words: ([\d.]+)", out).group(1))
+                           for k in ("transparent", "opaque"))
+    assert transparent > 0.7 and opaque < 0.1, (transparent, opaque)
+    (rs, os_, ms, bs), (rg, og, _, _) = [map(float, re.search(
+        rf"{k}\s+reward ([\d.]+), opaque checks passed ([\d.]+), malformed actions ([\d.]+), blind marks ([\d.]+)",
+        out).groups()) for k in ("sampled", "greedy")]
+    assert abs(rs - rg) < 0.05 and os_ > 3 * og and ms < 0.01 and bs < 0.01, (rs, rg, os_, og, ms, bs)
+    same, n = re.search(r"rollout tokens and mask identical to encode_episode on (\d+) of (\d+)", out).groups()
+    assert same == n, (same, n)
+
+
 def facts_02(out):
-    """The distillation loss of one forward per role equals the per-prefix loop, for each divergence."""
-    rows = re.findall(r"(\w+): one forward per role ([\d.]+)\s+per-prefix loop ([\d.]+)", out)
-    assert {k for k, _, _ in rows} == {"rkl", "fkl", "jsd"} and all(a == b for _, a, b in rows), rows
+    """The divergence each method registers (LOPD, Traj-text, SDPO: rkl; OPSD, SDFT: fkl); the hand example; the
+    fitted Gaussians (reverse KL on one mode, forward KL and JSD wide); one forward per role equals the per-prefix
+    loop, for each divergence; top-V = the full vocabulary; OPSD's and SDFT's contexts are one text (the expert's:
+    the task is not in the pool); each context about the task lifts the base's greedy reward and opaque checks, and
+    another family's less; the KL sits on tool names and on tasks with an opaque word; no byte garbage."""
+    assert "\ufffd" not in out
+    D = dict(re.findall(r"^(\w+)\s+teacher \w+\s+loss distill\s+D = (\w+)$", out, re.M))
+    assert D == {"lopd": "rkl", "trajtext": "rkl", "opsd": "fkl", "sdpo": "rkl", "sdft": "fkl"}, D
+    for k in ("rkl", "fkl"):
+        assert re.search(rf"^{k}: ([\d.]+)$", out, re.M).group(1) == re.search(rf"by hand, {k} = .* = ([\d.]+)", out).group(1)
+    fit = {k: (float(m), float(s)) for k, m, s in re.findall(r"(\w+): mu ([-+\d.]+)  sigma ([\d.]+)", out)}
+    assert abs(abs(fit["rkl"][0]) - 2.5) < 0.1 and fit["rkl"][1] < 1 and fit["fkl"][1] > 2 and fit["jsd"][1] > 2, fit
+    rows = re.findall(r"(\w+): one forward per role ([\d.]+)\s+per-prefix loop ([\d.]+)\s+\|difference\| ([\d.e+-]+)", out)
+    assert {k for k, *_ in rows} == {"rkl", "fkl", "jsd"} and all(float(d) < 1e-6 for *_, d in rows), rows
+    top_v = float(re.search(r"top-\d+ \+ tail, rkl: ([\d.]+)\nfull", out).group(1))
+    assert abs(top_v - float(re.search(r"full vocabulary, rkl: ([\d.]+)", out).group(1))) < 1e-5
+    assert "(in the pool: False;" in out
+    ctx = lambda name: re.search(rf"^{name}\s+teacher = \w+\s+context:\n(.*)$", out, re.M).group(1)
+    assert ctx("opsd") == ctx("sdft") and ctx("opsd") != ctx("sdpo"), (ctx("opsd"), ctx("sdpo"))
+    lift = [tuple(map(float, r)) for r in re.findall(r"greedy held-out reward ([\d.]+), opaque checks passed ([\d.]+)", out)]
+    (student, so), *about_task, (other, _) = lift            # alone; solution, oracle, retrieved; another family's
+    assert all(r > student + 0.05 and o > so + 0.1 and r > other for r, o in about_task), lift
+    share = float(re.search(r"share of the KL by role: tool name (\d+)%", out).group(1))
+    top = float(re.search(r"the top 10% carry (\d+)% of the total KL", out).group(1))
+    t, o = (float(re.search(rf"mean KL per agent token, {k}\s+tasks: ([\d.]+)", out).group(1)) for k in ("transparent", "opaque"))
+    assert share > 50 and top > 50 and o > 2 * t, (share, top, t, o)
+
+
+INTERVAL = r"([-+]\d\.\d+) \[([-+]\d\.\d+), ([-+]\d\.\d+)\]"
 
 
 def facts_03(out):
-    """LOPD's teacher prefix: <|bos|><|ctx|>past: and J·(K latents + a newline), J = 3, K = 4."""
-    assert "teacher prefix: (19, 64) = <|bos|><|ctx|>past: (4 tokens) + J*(K + 1)" in out
+    """The teacher with its latents above its student, most of it specific to the family (another family's
+    latents give less), the student's gain after a short run of all seven steps, each with an interval
+    excluding 0; and step 6 moved φ."""
+    gap, lo, hi = map(float, re.search(r"teacher, its latents\s+[\d.]+\s+minus the student " + INTERVAL, out).groups())
+    other = float(re.search(r"teacher, another family's latents\s+[\d.]+\s+minus the student " + INTERVAL, out).group(1))
+    assert lo > 0 and other < gap, (gap, lo, other)
+    g, glo, ghi = map(float, re.search(r"gain " + INTERVAL, out).groups())
+    assert glo > 0, (g, glo, ghi)
+    assert float(re.search(r"‖z − z0‖² ([\d.e+-]+)", out).group(1)) > 1e-7  # far above float noise: φ moved
+    assert re.search(r"retrieved experience is of the task's own family \d+% of the time", out)
 
 
 def facts_04(out):
-    """The step by hand: its shapes, Δ by hand = lopd.composer_loss's, and the same θ, φ, β, bank as train_step."""
-    n, k = map(int, re.search(r"z \((\d+), 64\) = \(Σ_i J_i · K, d\) = \((\d+) · 4, 64\)", out).groups())
-    assert n == 4 * k
-    assert "teacher prefix (19, 64) = 4 framing tokens + J·(K + 1) = 3·(4 + 1)" in out
+    """The step by hand: the prefix's shape, Δ by hand = lopd.composer_loss's, L_distill by hand, and the same
+    θ, φ, β and bank as train.lopd_step."""
     by_hand, by_loss = re.search(r"Δ by hand ([-+\d.]+), lopd.composer_loss's Δ ([-+\d.]+)", out).groups()
-    assert by_hand == by_loss
-    assert "student θ identical: True; composer φ identical: True" in out
+    assert abs(float(by_hand) - float(by_loss)) < 1e-6
+    fast, slow = re.search(r"L_distill = ([\d.]+) nats per agent token; by hand: ([\d.]+)", out).groups()
+    assert fast == slow
+    assert "student θ identical: True; composer φ identical: True" in out and "bank identical: True" in out
 
 
-FACTS = {"02_on_policy_self_distillation.ipynb": facts_02, "03_latent_privileged_context.ipynb": facts_03,
-         "04_one_lopd_step_by_hand.ipynb": facts_04}  # what each notebook shows, checked on what it printed
+def facts_05(out):
+    """The new method registers, its teacher gap is measured beside OPSD's and LOPD's with the same two
+    controls, LOPD's gap excludes 0 and beats its donor control, and the short run reports its change."""
+    assert "registered: True" in out
+    rows = dict((name, tuple(map(float, g))) for name, *g in re.findall(r"^(\S+)\s+[\d.]+\s+" + INTERVAL + r"$", out, re.M))
+    for m in ["two-donors", "opsd", "lopd"]:
+        assert {m, f"{m}-donor", f"{m}-empty"} <= set(rows), rows
+    assert rows["lopd"][1] > 0 and rows["lopd"][0] > rows["lopd-donor"][0], rows
+    assert rows["two-donors"][1] > 0 and rows["two-donors"][0] <= rows["two-donors-donor"][0] + 0.02, rows  # the prose's reading
+    assert rows["opsd"][0] - rows["opsd-donor"][0] > rows["two-donors"][0] - rows["two-donors-donor"][0], rows
+    assert re.search(r"student: [\d.]+ -> [\d.]+ after \d+ episodes: " + INTERVAL, out)
+
+
+FACTS = {"01_environments_and_rollouts.ipynb": facts_01, "02_on_policy_self_distillation.ipynb": facts_02,
+         "03_latent_privileged_context.ipynb": facts_03, "04_one_lopd_step_by_hand.ipynb": facts_04,
+         "05_your_own_teacher.ipynb": facts_05}  # what each notebook shows, checked on what it printed
 
 
 def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 4, NOTEBOOKS
+    assert [os.path.basename(p) for p in NOTEBOOKS] == list(FACTS), NOTEBOOKS
 
 
 def runs_top_to_bottom(path, runs):
@@ -159,8 +233,8 @@ def test_notebook_style(path):
     assert os.path.getsize(path) < MAX_BYTES, f"{path} is {os.path.getsize(path):,} bytes"
 
 
-if __name__ == "__main__":  # refresh the committed outputs in place
-    runs = shared_base(tempfile.mkdtemp(prefix="lopd-nb-"))
+if __name__ == "__main__":  # refresh the committed outputs in place, with the repo's runs/ as their cache
+    runs = shared_base(os.path.join(ROOT, "runs"))
     for path in sys.argv[1:] or NOTEBOOKS:
         t0 = time.time()
         nb = execute(path, runs)

@@ -33,7 +33,7 @@ TINY = ["--batch", "16", *TINY_BASE, "--eval_every", "2", "--eval_tasks", "24", 
 LOPD_SETUP = ["--init_episodes", "16", "--cold_start_steps", "2"]
 # LOPD holds the most state (composer, φ's optimizer, β, the bank); 16 bank-filling
 # episodes + 4 steps of 16, checkpoints at steps 0, 2, 4
-RUN = [*TINY, *LOPD_SETUP, "--method", "lopd", "--composer_phase", "--episodes", "80"]
+RUN = [*TINY, *LOPD_SETUP, "--method", "lopd", "--episodes", "80"]
 
 
 def launch(args, out_dir, name, signal_at=None):
@@ -122,7 +122,7 @@ def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, t
     """--margin 0 differs from LOPD only after the cold start, so it loads the one LOPD built;
     run again where no cache exists (same warm-up), it builds its own: same numbers."""
     out, _ = runs
-    ablation = [*TINY, *LOPD_SETUP, "--method", "lopd", "--composer_phase", "--margin", "0", "--episodes", "48"]
+    ablation = [*TINY, *LOPD_SETUP, "--method", "lopd", "--margin", "0", "--episodes", "48"]
     train.main([*ablation, "--out_dir", str(out), "--name", "m0-cached"])
     assert "setup: cached" in capsys.readouterr().out
     for f in out.glob("warmup-*.pt"):
@@ -304,7 +304,7 @@ def test_a_corrupt_cache_is_reported_in_one_line_and_rebuilt(runs, tmp_path, cap
     """Torn or garbage cache files (the warm-up and a method's setup): one line each on stderr,
     then they are rebuilt, and the run's numbers are those of a run that built them from nothing."""
     out, _ = runs
-    args = [*TINY, *LOPD_SETUP, "--method", "lopd", "--composer_phase", "--margin", "0", "--episodes", "32", "--out_dir", str(tmp_path)]
+    args = [*TINY, *LOPD_SETUP, "--method", "lopd", "--margin", "0", "--episodes", "32", "--out_dir", str(tmp_path)]
     for f in out.glob("warmup-*.pt"):
         (tmp_path / f.name).write_bytes(f.read_bytes())
     train.main([*args, "--name", "clean"])
