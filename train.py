@@ -406,6 +406,8 @@ def build(args):
     if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
         run.model = M.with_lora(run.model, run.tok, args.lora_r)
     run.model.to(run.device)
+    if args.grad_ckpt:  # the warm-up's backward holds a batch's activations too
+        M.checkpoint_activations(run.model)
     with run.timer('warmup'), parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
     torch.manual_seed(args.seed)

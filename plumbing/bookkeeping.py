@@ -119,8 +119,11 @@ class Run:
 
     @contextlib.contextmanager
     def timer(self, key):
+        sync = torch.cuda.synchronize if self.device.type == 'cuda' else lambda: None  # CUDA runs ahead of the host
+        sync()
         t = time.time()
         yield
+        sync()
         self.times[key] = self.times.get(key, 0.0) + time.time() - t
 
 

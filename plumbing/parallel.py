@@ -8,6 +8,7 @@ split is generation, the slow part of an on-policy step; evaluation is split the
 writes the files and prints; the warm-up and a method's setup are built by rank 0 and read by the rest.
 """
 import contextlib
+import datetime
 import os
 import sys
 
@@ -46,7 +47,8 @@ def init_distributed(device):
     cuda = pick_device(device).type == 'cuda'
     if cuda:
         torch.cuda.set_device(pick_device(device))
-    dist.init_process_group('nccl' if cuda else 'gloo')
+    # rank 0 builds the warm-up while the others wait (minutes): the default 10-minute timeout is too short
+    dist.init_process_group('nccl' if cuda else 'gloo', timeout=datetime.timedelta(hours=2))
     if not writer():
         os.environ['TQDM_DISABLE'] = '1'
         sys.stdout = open(os.devnull, 'w')
@@ -106,7 +108,7 @@ def check_in_sync(run):
         return
     with torch.no_grad():
         total = torch.tensor([float(sum(p.double().sum() for p in run.model.parameters() if p.requires_grad))], device=run.device)
-    every = [torch.zeros(1, dtype=total.dtype) for _ in range(world()[1])]
+    every = [torch.zeros(1, dtype=total.dtype, device=run.device) for _ in range(world()[1])]  # NCCL gathers on the device
     dist.all_gather(every, total)
     if any(e.item() != every[0].item() for e in every):
         raise OutOfSync(f'the ranks\' weights differ ({[e.item() for e in every]}): an update was not the same on every rank')
