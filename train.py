@@ -461,6 +461,7 @@ def frozen_copy(model):
 
 def main(argv=None):
     args = parse_args(argv)
+    config.check_budget(args)
     args.name = args.name or f'{args.method}-{args.env}-s{args.seed}'
     parallel.init_distributed(args.device)
     if not args.resume and parallel.writer():

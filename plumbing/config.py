@@ -63,6 +63,16 @@ def parse_args(Args, argv=None, description=''):
 SETUP_BUDGETS = ('init_episodes', 'pool_episodes', 'steer_episodes')  # a method's setup rollouts, counted in --episodes
 
 
+def check_budget(a):
+    """A budget the method's setup would spend whole trains nothing: one line, exit 2 (train.main calls it;
+    the bench plans runs of any budget through parse_args, and its runs meet this check when they start)."""
+    m = METHODS[a.method]
+    setup = {k: getattr(a, k) for k in SETUP_BUDGETS if k in m.flags and m.setup}
+    if not a.setup_free and not a.resume and a.episodes < sum(setup.values()):
+        die(f'--episodes {a.episodes} is below the {sum(setup.values())} episodes {a.method}\'s setup samples first '
+            f'({", ".join(f"--{k} {v}" for k, v in setup.items())}): raise --episodes, lower them, or add --setup_free')
+
+
 def check_args(a, given):
     """What argparse's choices and the fields' ranges do not cover (given: the flags on the command
     line): one line each, exit status 2."""
@@ -74,10 +84,6 @@ def check_args(a, given):
     for f in dataclasses.fields(a):  # e.g. --margin with --freeze_composer would be read by nothing
         if f.name in given and f.metadata.get('unless') and getattr(a, f.metadata['unless']):
             die(f'--{f.name} acts only without --{f.metadata["unless"]}')
-    setup = {k: getattr(a, k) for k in SETUP_BUDGETS if k in m.flags and m.setup}
-    if not a.setup_free and a.episodes < sum(setup.values()):  # the setup would spend the budget and train nothing
-        die(f'--episodes {a.episodes} is below the {sum(setup.values())} episodes {a.method}\'s setup samples first '
-            f'({", ".join(f"--{k} {v}" for k, v in setup.items())}): raise --episodes, lower them, or add --setup_free')
     if a.batch % m.group:
         die(f'--batch {a.batch} must be a multiple of the group size {m.group} of {a.method}')
     ranks = int(os.environ.get('WORLD_SIZE', 1))

@@ -151,9 +151,6 @@ def test_help_lists_every_flag_in_groups(procs):
     (["--ema_rate", "1.5", "--method", "sdpo"], ["--ema_rate", "1.5"]),
     (["--warmup_ctx", "1.5"], ["--warmup_ctx", "1.5"]),
     (["--max_skips", "0"], ["--max_skips"]),
-    # a budget the setup spends whole: it would train nothing (issue 52)
-    (["--method", "opsd", "--episodes", "96"], ["--episodes 96", "512", "--pool_episodes", "--setup_free"]),
-    (["--episodes", "100", "--init_episodes", "128"], ["--episodes 100", "--init_episodes 128"]),
 ])
 def test_more_bad_arguments_in_process(capsys, argv, words):
     """The same check, in-process (no 4 s interpreter start each)."""
@@ -319,3 +316,13 @@ def test_a_gguf_file_given_by_its_path_passes_the_checks(tmp_path):
     f = tmp_path / "model.gguf"
     f.write_bytes(b"GGUF")
     assert train.parse_args(["--model", str(f)]).model == str(f)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--method", "opsd", "--episodes", "96"], ["--episodes 96", "512", "--pool_episodes", "--setup_free"]),
+    (["--episodes", "100", "--init_episodes", "128"], ["--episodes 100", "--init_episodes 128"]),
+])
+def test_a_budget_the_setup_spends_whole_is_refused_before_anything_runs(argv, words):
+    """It would train nothing and end with the usual summary line: one line, exit 2 (issue 52)."""
+    rc, out, err = in_process(argv)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
