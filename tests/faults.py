@@ -8,6 +8,7 @@
 --plugin  imports a module first, as a forker's file that registers a method would be.
 In-process tests use the same functions with pytest's monkeypatch."""
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -18,10 +19,10 @@ import train  # noqa: E402
 from plumbing import registry  # noqa: E402
 
 
-def signal_after(step, sig):
-    """train.train_step, then this process gets `sig` once run.step == step."""
-    real = train.train_step
-
+def signal_after(step, sig, real):
+    """A training step (train.lopd_step, or train.train_step), then this process gets `sig` once run.step == step.
+    functools.wraps keeps the step's module, so the run's code fingerprint (and its cached setup) is the product's."""
+    @functools.wraps(real)
     def step_then_signal(run):
         real(run)
         if run.step == step:
@@ -44,7 +45,8 @@ if __name__ == '__main__':
         __import__(o.plugin)
     if o.signal:
         step, name = o.signal.split(':')
-        train.train_step = signal_after(int(step), getattr(signal, 'SIG' + name))
+        for m in registry.METHODS.values():  # each method's own step (LOPD's), or the generic one
+            m.step = signal_after(int(step), getattr(signal, 'SIG' + name), m.step or train.train_step)
     if o.nan:
         for m in registry.METHODS.values():
             m.loss = nan_loss(m.loss, {int(s) for s in o.nan.split(',')})

@@ -100,10 +100,10 @@ def test_a_forkers_file_runs_with_one_command(tmp_path, base_in):
 
 
 def test_the_readme_fork_example_is_the_tested_variant():
-    """The code a forker copies first (README, 'Adding a method') is tests/fork_variant.py's, line for line."""
+    """The code a forker copies first (README, "Your own method") is tests/fork_variant.py's, line for line."""
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     readme = open(os.path.join(root, "README.md")).read()
-    block = readme.split("### Adding a method", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    block = readme.split("## Your own method", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     variant = open(os.path.join(root, "tests", "fork_variant.py")).read()
     assert block.strip() == variant[variant.index("import train"):].strip()
     assert len(variant.splitlines()) <= 25
