@@ -154,13 +154,14 @@ def facts_03(out):
 
 
 def facts_04(out):
-    """The step by hand: the prefix's shape, Δ by hand = lopd.composer_loss's, L_distill by hand, and the same
-    θ, φ, β and bank as train.lopd_step."""
+    """The teacher above its student at the checkpoint; the step by hand: Δ by hand = lopd.composer_loss's,
+    L_distill by hand, and the same θ, φ, β and bank as train.lopd_step."""
     by_hand, by_loss = re.search(r"Δ by hand ([-+\d.]+), lopd.composer_loss's Δ ([-+\d.]+)", out).groups()
     assert abs(float(by_hand) - float(by_loss)) < 1e-6
     fast, slow = re.search(r"L_distill = ([\d.]+) nats per agent token; by hand: ([\d.]+)", out).groups()
     assert fast == slow
     assert "student θ identical: True; composer φ identical: True" in out and "bank identical: True" in out
+    assert float(re.search(r"teacher − student " + INTERVAL, out).group(2)) > 0  # the teacher knows more
 
 
 def facts_05(out):
