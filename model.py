@@ -147,6 +147,12 @@ class Adapter:
     def get_decoder(self):
         return _Under(self, self.peft.get_decoder())
 
+    def get_input_embeddings(self):  # θ0 reads the turn specials' rows as they were, not as θ trains them
+        return _Under(self, self.peft.get_input_embeddings())
+
+    def get_output_embeddings(self):
+        return _Under(self, self.peft.get_output_embeddings())
+
     def __getattr__(self, k):  # embeddings, head, config, device: θ's own
         return getattr(self.peft, k)
 
@@ -323,10 +329,23 @@ def logits_on(model, prefixes, ids, attn, chunk=0):
         return logits[:, P - 1:P - 1 + ids.shape[1]]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     h = model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state
-    head = model.get_output_embeddings()
-    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], head.weight, head.bias, chunk,
+    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], *head_weights(model), chunk,
                       getattr(model.config, 'final_logit_softcapping', None))
     return out if torch.is_grad_enabled() else out.detach()   # no graph: the head as it is now
+
+
+def head_weights(model):
+    """The LM head as (weight (V, d), bias or None), as the model's forward applies it. A plain
+    Linear gives its own; a wrapped head (peft's trainable rows of the turn specials on a head tied
+    to the embedding, which has no weight of its own) is read through its forward: head(I) − head(0)."""
+    head = model.get_output_embeddings()
+    plain = head.module if isinstance(head, _Under) else head
+    if type(plain) is torch.nn.Linear:  # LoRA's all-linear leaves the output layer alone: θ0's and θ's are one
+        return plain.weight, plain.bias
+    w = plain.weight if hasattr(plain, 'weight') else model.get_input_embeddings().weight
+    eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+    zero = head(eye.new_zeros(1, w.shape[1]))                                    # (1, V): the bias, if any
+    return (head(eye) - zero).T, (zero[0] if zero.abs().max() > 0 else None)
 
 
 def export(model, tok, path):

@@ -211,6 +211,34 @@ def test_chunked_scoring_equals_the_whole_batch(hf, lora):
             assert torch.allclose(l0, l1, atol=1e-5, rtol=0) and torch.allclose(g0, g1, atol=1e-5, rtol=1e-4)
 
 
+def test_chunked_scoring_reads_a_tied_head_with_trained_special_rows(hf):
+    """GPT-2 ties its head to the embedding; without a template peft wraps both to train the turn
+    specials' rows, and the wrapped head has no weight of its own: chunked scoring must read the head
+    the forward applies (θ's rows for θ, the original rows for θ0), values and gradients."""
+    tok, base = M.load(hf("gpt2", chat=False))
+    model = M.with_lora(base, tok, 4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "trainable_tokens_delta" in n:
+                p.normal_(0, 1)
+    ids = torch.tensor([[tok.obs, 70, tok.agent, 71, tok.eot, tok.ctx, tok.agent, tok.eot]])
+    attn = torch.ones_like(ids)
+    out = {}
+    for who, m in [("theta", model), ("theta0", train.make_teacher(model, "frozen"))]:
+        for chunk in (0, 3):
+            model.zero_grad()
+            lp = lopd.token_logp(M.logits_on(m, M.bos_prefix(m, tok, 1), ids, attn, chunk=chunk), ids)
+            lp.sum().backward() if lp.requires_grad else None
+            g = [p.grad.clone() for n, p in model.named_parameters() if "trainable_tokens_delta" in n and p.grad is not None]
+            out[who, chunk] = lp.detach(), g
+    for who in ("theta", "theta0"):
+        assert torch.allclose(out[who, 0][0], out[who, 3][0], atol=1e-5)
+        assert len(out[who, 0][1]) == len(out[who, 3][1])
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out[who, 0][1], out[who, 3][1]))
+    assert out["theta", 0][1] and not out["theta0", 0][1]                      # θ0 sends no gradient to θ's rows
+    assert not torch.allclose(out["theta", 0][0], out["theta0", 0][0])          # the rows differ between the two
+
+
 def test_chunked_logits_select_rows_as_a_tensor_does():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 30, bias=True)
@@ -268,6 +296,34 @@ def test_lora_trains_the_added_specials_without_a_template(hf):
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("trainable_tokens" in n for n in names) and any("lora_" in n for n in names)
     assert tok.chat is None and tok.decode(tok.encode("a <|eot|> b")) == "a <|eot|> b"
+
+
+def test_theta0_stays_frozen_without_a_template_while_the_student_trains_its_special_rows(hf):
+    """Without a chat template the six turn specials are new rows that train with θ (peft's trainable
+    tokens); θ0, the same model with the adapter off, must read them as they were at the start:
+    its embedding of a context, its scores of a batch, and its decoding unchanged after student steps."""
+    tok, base = M.load(hf("llama", chat=False))
+    model = M.with_lora(base, tok, 4)
+    theta0 = train.make_teacher(model, "frozen")
+    torch.manual_seed(0)
+    ids = torch.tensor([[tok.obs, 70, 71, tok.agent, 72, tok.eot, tok.obs, 73, tok.agent]] * 2)
+    attn = torch.ones_like(ids)
+    ctx = lambda m: M.text_prefix(m, tok, ["past: f(x) -> y", "x"])
+    look = lambda: (torch.cat([c.detach() for c in ctx(theta0)]),
+                    M.logits_on(theta0, ctx(theta0), ids, attn).detach(),
+                    M.generate(theta0, tok, ctx(theta0), [[tok.obs, 70, tok.agent]] * 2, 5, greedy=True))
+    before = look()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-1)
+    for _ in range(3):   # student steps that move every trainable row the batch touches
+        opt.zero_grad()
+        ls = M.logits_on(model, M.text_prefix(model, tok, ["past: f(x) -> y", "x"]), ids, attn)
+        lopd.masked_mean(lopd.token_logp(ls, ids), attn.float()).backward()
+        opt.step()
+    student = torch.cat([c.detach() for c in ctx(model)])
+    assert not torch.allclose(student, before[0])                               # θ's special rows moved
+    after = look()
+    assert torch.equal(after[0], before[0]) and torch.allclose(after[1], before[1], atol=1e-6)
+    assert after[2] == before[2]
 
 
 def test_gradient_checkpointing_changes_no_gradient(hf):
