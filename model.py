@@ -82,13 +82,25 @@ def with_lora(model, tok, r):
 
 
 def checkpoint_activations(model):
-    """Gradient checkpointing (non-reentrant), which transformers applies in training mode only."""
+    """Gradient checkpointing (non-reentrant), which transformers applies in training mode only,
+    i.e. inside `train_mode`: rollouts, evaluation and the teachers run in eval mode."""
     kw = {'use_reentrant': False}
     if hasattr(model, 'activation_checkpointing_enable'):  # its name since transformers 5.x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-    return model.train()
+    return model
+
+
+@contextlib.contextmanager
+def train_mode(model):
+    """Training mode while θ takes its step (dropout, where a config has it, and --grad_ckpt act
+    only then); eval mode again after, for rollouts, evaluation and the teachers, which share θ's model."""
+    model.train()
+    try:
+        yield model
+    finally:
+        model.eval()
 
 
 def is_lora(model):
@@ -134,8 +146,10 @@ class Adapter:
             if self.name is None:
                 stack.enter_context(self.peft.disable_adapter())
             else:
-                self.peft.set_adapter(self.name)  # peft also flips requires_grad: θ's adapter is frozen meanwhile
+                self.peft.set_adapter(self.name)  # peft also flips requires_grad: θ's adapter is frozen meanwhile,
                 stack.callback(self.peft.set_adapter, 'default')
+                for p in self.parameters():       # and this one made trainable: a teacher builds no graph
+                    p.requires_grad_(False)
             self.on = True
             stack.callback(setattr, self, 'on', False)
             yield
@@ -215,14 +229,18 @@ def hidden(model, ids, mask):
     return out.hidden_states[-1]
 
 
-def forward(model, embeds, mask, past=None, pos=None, use_cache=False):
+def forward(model, embeds, mask, past=None, pos=None, use_cache=False, last_only=False):
     """One causal forward from `inputs_embeds`. embeds (B, L, d), mask (B, L_total) 1 = real.
 
     Position ids follow the mask (left padding gets no positions), so a row's logits do
-    not depend on how much padding the batch put in front of it. -> (logits, cache)."""
+    not depend on how much padding the batch put in front of it. last_only: the logits of the
+    last position only, (B, 1, V) (a prefill reads no other: at V = 151,936 the rest is GBs).
+    -> (logits, cache)."""
     if pos is None:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -embeds.shape[1]:]  # (B, L)
     kw = {CACHE_KW[type(base_of(model))]: past} if past is not None else {}
+    if last_only and KEEP_KW[type(base_of(model))]:
+        kw['logits_to_keep'] = 1
     out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kw)
     cache = (out['cache'] if 'cache' in out else out.get('past_key_values')) if use_cache else None
     return out.logits, cache
@@ -242,6 +260,16 @@ class _CacheKw(dict):
 
 
 CACHE_KW = _CacheKw()
+
+
+class _KeepKw(dict):
+    """Whether a class's forward takes `logits_to_keep` (every recent transformers causal LM does)."""
+    def __missing__(self, cls):
+        self[cls] = 'logits_to_keep' in inspect.signature(cls.forward).parameters
+        return self[cls]
+
+
+KEEP_KW = _KeepKw()
 
 
 # ----------------------------------------------------------------------------- tokens of an episode
@@ -301,20 +329,21 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
     mask = torch.zeros(B, L, dtype=torch.long, device=model.device)
     for i, r in enumerate(rows):
         E[i, L - r.shape[0]:], mask[i, L - r.shape[0]:] = r, 1
-    logits, cache = forward(model, E, mask, use_cache=True)
+    logits, cache = forward(model, E, mask, use_cache=True, last_only=True)
     pos = mask.sum(-1, keepdim=True) - 1                                        # (B, 1) position of the last token
-    out, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device)
+    done = torch.zeros(B, dtype=torch.bool, device=model.device)
+    steps = []                                                                  # (B,) tokens, -1 once a row is done
     for _ in range(max_new):
         last = logits[:, -1].float()                                            # (B, V)
         nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last / temperature, -1), 1).squeeze(-1)
-        for i in (~done).nonzero().flatten().tolist():
-            out[i].append(int(nxt[i]))
-        done |= nxt == tok.eot
-        if done.all():
+        steps.append(torch.where(done, -1, nxt))
+        done = done | (nxt == tok.eot)
+        if bool(done.all()):                                                    # the one host sync of a step
             break
         mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
         logits, cache = forward(model, embed(model, nxt[:, None]), mask, past=cache, pos=pos, use_cache=True)
-    return out
+    rows = torch.stack(steps, 1).tolist() if steps else [[] for _ in range(B)]  # (B, steps), read once at the end
+    return [[t for t in row if t >= 0] for row in rows]
 
 
 def logits_on(model, prefixes, ids, attn, chunk=0):
@@ -322,15 +351,18 @@ def logits_on(model, prefixes, ids, attn, chunk=0):
     position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t.
 
     chunk > 0 (a run's --score_chunk): a lopd.Logits, the last hidden states and the LM head, that
-    the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch."""
+    the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch.
+    Under autocast (bf16) the head runs in float32 either way: the log-probs are of float32 logits."""
     E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
-    if chunk <= 0:  # 0, or a config's unresolved -1 ('auto': train.parse_args makes it 0 or 256)
+    if chunk <= 0 and not torch.is_autocast_enabled(E.device.type):  # 0, or a config's unresolved -1 (auto: 0 or 256)
         logits, _ = forward(model, E, mask)
         return logits[:, P - 1:P - 1 + ids.shape[1]]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     h = model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state
-    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], *head_weights(model), chunk,
+    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], *head_weights(model), max(chunk, 0),
                       getattr(model.config, 'final_logit_softcapping', None))
+    if chunk <= 0:  # under autocast, unchunked: the whole (B, T, V) at once, its head in float32
+        return out.head(out.h.reshape(-1, out.h.shape[-1])).view(out.shape)
     return out if torch.is_grad_enabled() else out.detach()   # no graph: the head as it is now
 
 

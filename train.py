@@ -183,10 +183,11 @@ def lopd_step(run):
         prefixes = retrieval.latent_prefixes(run, z, found)                     # B × (P_i, d) or None
         keep = torch.tensor([p is not None for p in prefixes])                  # (B,) no latents: no teacher
         # 4. teacher phase: the frozen teacher scores every agent token of every rollout in one forward,
-        #    with φ's graph kept for step 6
-        with torch.set_grad_enabled(train_phi):
+        #    with φ's graph kept for step 6 (with LoRA, θ's step changes tensors that graph would hold:
+        #    step 6 scores again instead)
+        with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):
             logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)  # (B, T, V)
-    with run.timer('student'):
+    with run.timer('student'), M.train_mode(run.model):
         # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t))
         score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn, a.score_chunk)
         distill_mask = amask * keep[:, None].to(amask)                          # (B, T)
@@ -307,7 +308,8 @@ def teacher_phase(run, b):
         return None
     with torch.set_grad_enabled(run.teacher is not run.model):
         ctx = embed_context(run, run.method.context(run, b.eps))
-        keep = torch.tensor([p is not None for p in ctx])                        # (B,) no context: no teacher
+    keep = torch.tensor([p is not None for p in ctx])                            # (B,) no context: no teacher
+    with torch.set_grad_enabled(any(p is not None and p.requires_grad for p in ctx)):   # else no graph to keep
         return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
 
 
@@ -340,7 +342,7 @@ def train_step(run):
     run.episodes += len(eps)
     with run.timer('teacher'):
         teacher = teacher_phase(run, b)
-    with run.timer('student'):
+    with run.timer('student'), M.train_mode(run.model):
         logits_s, loss = student_phase(run, b, teacher)
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
         entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), b.amask).item()
@@ -405,14 +407,14 @@ def build(args):
         die(f'--model {args.model}: {e}')
     if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
         run.model = M.with_lora(run.model, run.tok, args.lora_r)
-    run.model.to(run.device)
+    run.model.to(run.device).eval()                                             # train mode only in θ's steps
     if args.grad_ckpt:  # the warm-up's backward holds a batch's activations too
         M.checkpoint_activations(run.model)
     with run.timer('warmup'), parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
-        run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device)
+        run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
     if args.grad_ckpt:
         M.checkpoint_activations(run.model)
     run.teacher = make_teacher(run.model, run.teacher_kind)

@@ -239,6 +239,30 @@ def test_chunked_scoring_reads_a_tied_head_with_trained_special_rows(hf):
     assert not torch.allclose(out["theta", 0][0], out["theta0", 0][0])          # the rows differ between the two
 
 
+def test_log_probs_under_bf16_autocast_are_of_float32_logits():
+    """Under bf16 autocast (a CUDA run's default) the LM head runs in float32, chunked or not: at
+    V = 151,936 the log-probs stay within the bf16 body's own error of an all-float32 reference,
+    where bf16 logits upcast afterwards (the model's own head under autocast) err 2.5 times more."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(tiny_hf.config("qwen3", 151_936, d=64, layers=1))
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 0.5)    # logits spread as a trained model's are (mean log-prob ≈ −19)
+    ids = torch.randint(0, 151_936, (2, 40))
+    attn = torch.ones_like(ids)
+    pre = [M.embed(m, torch.tensor([1, 2, 3]))] * 2
+    ref = lopd.token_logp(M.logits_on(m, pre, ids, attn), ids).detach()         # float32 throughout
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = M.logits_on(m, pre, ids, attn)
+        assert whole.dtype == torch.float32
+        err = {c: (lopd.token_logp(M.logits_on(m, pre, ids, attn, chunk=c), ids).detach() - ref).abs() for c in (0, 64)}
+        E, mask, P = lopd.teacher_inputs(pre, M.embed(m, ids), attn)
+        bf16 = (lopd.token_logp(M.forward(m, E, mask)[0][:, P - 1:P - 1 + 40], ids).detach() - ref).abs()
+    assert torch.equal(err[0], err[64])
+    assert err[0].max() < 0.1 and err[0].mean() < 0.02                            # the GPU check's bounds
+    assert err[0].mean() < bf16.mean() / 2
+
+
 def test_chunked_logits_select_rows_as_a_tensor_does():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 30, bias=True)
@@ -449,3 +473,31 @@ def test_tensorboard_holds_the_metrics(base_in, tmp_path):
     logged = metrics(tmp_path / "grpo-tooluse-s0")
     assert [(e.step, e.value) for e in tb.Scalars("success")] == [(m["episodes"], pytest.approx(m["success"])) for m in logged]
     assert "train_reward" in tb.Tags()["scalars"] and any(t.startswith("family/") for t in tb.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("method", ["sdpo", "lopd"])
+def test_a_teacher_that_needs_no_gradient_builds_no_graph(hf, tmp_path, method):
+    """With LoRA, SDPO's EMA teacher is a second adapter (peft makes an adapter trainable when it is
+    switched on) and LOPD's θ0 the adapter off: in the teacher phase neither keeps a graph, and
+    LOPD's step 6, which needs φ's, scores again after θ's step."""
+    own = ["--init_episodes", "4", "--cold_start_steps", "1"] if method == "lopd" else []
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run = train.build(train.parse_args(["--model", hf("qwen3"), "--method", method, "--warmup_steps", "0", "--lora_r", "4",
+                                            "--batch", "4", "--eval_tasks", "2", "--teacher_eval", "0", "--eval_samples", "0",
+                                            "--out_dir", str(tmp_path), *own]))
+    graphs = []
+    real = M.logits_on
+    def spy(model, *a, **k):
+        out = real(model, *a, **k)
+        if model is run.teacher:
+            graphs.append(out.h.requires_grad if isinstance(out, lopd.Logits) else out.requires_grad)
+        return out
+    train.M.logits_on = spy
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            (run.method.step or train.train_step)(run)
+    finally:
+        train.M.logits_on = real
+    # SDPO: one teacher forward, no graph; LOPD: step 4 without, step 6 with φ's graph
+    assert graphs == ([False] if method == "sdpo" else [False, True])
+    assert not any(p.requires_grad for p in M.Adapter(run.model, "ema").parameters()) if method == "sdpo" else True
