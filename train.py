@@ -83,6 +83,10 @@ class Args:
                       '0 for the tiny model)', lo=-1, group=MODEL)
     score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
                            '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    micro_batch: int = arg(-1, 'rows per forward, and per backward, in the warm-up and LOPD\'s cold start, and per decoding '
+                           'batch in evaluation: their memory grows with it, not with --warmup_batch, the cold start\'s 32 rows '
+                           'or --eval_tasks (0 = 16 / 32 / 128 rows, one backward; -1 = 4 with --model, 0 for the tiny model)',
+                           lo=-1, group=MODEL)
     grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
                           after_setup=True, group=MODEL)
     export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
@@ -363,8 +367,9 @@ def evaluate(run):
     per task (for intervals over tasks). Plus the teacher's own reward when it decodes with its
     context (does the context carry information?)."""
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
-    play = lambda ts, **kw: parallel.shared(run, lambda ts: [e for i in range(0, len(ts), 128)
-                                                       for e in rollout(run.model, run.tok, run.env, ts[i:i + 128], **kw)[0]], ts)
+    rows = a.micro_batch or 128                                                 # decoded at once: the KV cache's rows
+    play = lambda ts, **kw: parallel.shared(run, lambda ts: [e for i in range(0, len(ts), rows)
+                                                       for e in rollout(run.model, run.tok, run.env, ts[i:i + rows], **kw)[0]], ts)
     with run.timer('eval'):
         eps = play(tasks, greedy=True)
         out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
@@ -382,8 +387,9 @@ def evaluate(run):
             out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
             prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
-            teps = parallel.shared(run, lambda rows: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in rows], greedy=True,
-                                                       prefixes=[prefixes[i] for i in rows])[0], list(range(len(tasks))))
+            teps = parallel.shared(run, lambda ix: [e for k in range(0, len(ix), rows) for e in rollout(
+                run.teacher, run.tok, run.env, [tasks[i] for i in ix[k:k + rows]], greedy=True,
+                prefixes=[prefixes[i] for i in ix[k:k + rows]])[0]], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
             out['teacher_success'] = float(np.mean([e.success for e in teps]))
     return bk.log_eval(run, out)

@@ -11,6 +11,7 @@ LOPD's cold start (cold_start, at the end): base rollouts fill the experience ba
 the episode budget), then φ is pre-trained on the paper's objective, the frozen teacher's NLL of the
 bank's successes given the latents composed from their retrieved experiences.
 """
+import functools
 import hashlib
 import json
 import math
@@ -129,22 +130,29 @@ def _tokenizer_texts(env, n):
     return texts
 
 
-def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0):
+def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0, backward=False):
     """NLL of the demos' agent tokens. Rows are sorted by length (context + body) and scored
     rows_per_forward at a time, so that short rows do not pay for the long ones' padding (the
-    forwards are compute-bound on a CPU: padding is time)."""
+    forwards are compute-bound on a CPU: padding is time). backward (--micro_batch): each group's
+    share of the loss is backpropagated at once, so that one group's activations are alive, not
+    the batch's; -> the loss, detached."""
     seqs, masks = zip(*[M.encode_episode(tok, d) for d in demos])
     length = [len(tok.encode(c)) if c else -1 for c in contexts]
     order = sorted(range(len(demos)), key=lambda i: (length[i], len(seqs[i])))
-    total, n = 0.0, 0
+    total, n = 0.0, (sum(map(sum, masks)) if backward else 0)
     for k in range(0, len(order), rows_per_forward):
         rows = order[k:k + rows_per_forward]
         ids, amask, attn = M.pad_batch([seqs[i] for i in rows], [masks[i] for i in rows], tok.pad, device)
         prefixes = [M.text_prefix(model, tok, [contexts[i]])[0] if contexts[i] else M.bos_prefix(model, tok, 1)[0]
                     for i in rows]
         nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk), ids)     # (b, T)
-        total, n = total + (nll * amask).sum(), n + amask.sum()
-    return total / n
+        if backward:  # this group's share of the mean over every agent token of the batch
+            part = (nll * amask).sum() / max(n, 1)
+            part.backward()
+            total += part.detach()
+        else:
+            total, n = total + (nll * amask).sum(), n + amask.sum()
+    return total if backward else total / n
 
 
 def warmup(args, tok, model, env, device):
@@ -169,9 +177,12 @@ def warmup(args, tok, model, env, device):
                 g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
             demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, args.warmup_ctx)
                                     for t in rng.sample(pool, args.warmup_batch)])
-            loss = warmup_loss(model, tok, demos, contexts, device, chunk=args.score_chunk)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with M.train_mode(model):
+                loss = warmup_loss(model, tok, demos, contexts, device, args.micro_batch or 16, args.score_chunk,
+                                   backward=args.micro_batch > 0)
+                if not args.micro_batch:
+                    loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             bar.set_postfix(loss=f'{loss.item():.3f}')
@@ -261,23 +272,23 @@ def balanced_sample(rng, rows, n):
 
 def cold_start_nll(run, ctx, ids, amask, attn):
     """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
-    composed from their retrieved experiences."""
+    composed from their retrieved experiences. -> (B, T) per token, and the tokens it is averaged over."""
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    return lopd.masked_mean(-lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask))
+    return -lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask)
 
 
 def cold_start_text(run, ctx, ids, amask, attn):
     """Text-to-latent distillation: the latents must make the teacher act as the same retrieved
     experiences shown as text do, KL(π_θ0(·|experiences as text) ‖ π_θ0(·|latents)) on every
     agent token of any stored rollout, success or failure (the text teacher knows the right
-    next call after a wrong one too)."""
+    next call after a wrong one too). -> (B, T) per token, and the tokens it is averaged over."""
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     with torch.no_grad():
         text = M.text_prefix(run.teacher, run.tok, [retrieval.bank_text(f) for f in ctx.found])
         logits_text = M.logits_on(run.teacher, text, ids, attn, run.args.score_chunk)
     logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    return lopd.masked_mean(lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask))
+    return lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask)
 
 
 COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
@@ -298,14 +309,37 @@ def cold_start(run, rollout):
         with run.timer('cold_start'):
             pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
                 run.rng.sample(rows, min(32, len(rows)))
-            eps, bodies, masks, found, read0 = zip(*pick)
-            ctx = retrieval.latents(run, eps, grad=True, found=list(found), read0=torch.cat(read0))
-            loss = COLD_STARTS[a.cold_start](run, ctx, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
-            bk.optimizer_step(run, opt, loss, retrieval.phi_params(s['composer'], s['reader']))
-        bar.set_postfix(loss=f'{loss.item():.3f}')
+            if a.micro_batch:  # --micro_batch: φ's gradient accumulated over groups of rows
+                loss = functools.partial(cold_start_micro, run, pick, a.micro_batch)
+            else:
+                loss = lopd.masked_mean(*cold_start_loss(run, pick))
+            loss = bk.optimizer_step(run, opt, loss, retrieval.phi_params(s['composer'], s['reader']))
+        if loss is not None:
+            bar.set_postfix(loss=f'{float(loss):.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
     if s['reader'] is not None:
         s['reader0'].load_state_dict(s['reader'].state_dict())
+
+
+def cold_start_loss(run, pick):
+    """The cold start's per-token loss on picked rows (episode, body, mask, found, reading) -> (loss, mask), (B, T)."""
+    eps, bodies, masks, found, read0 = zip(*pick)
+    ctx = retrieval.latents(run, eps, grad=True, found=list(found), read0=torch.cat(read0))
+    return COLD_STARTS[run.args.cold_start](run, ctx, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
+
+
+def cold_start_micro(run, pick, rows):
+    """The same mean, `rows` rows per forward and backward -> the loss, detached (None: nothing retrieved)."""
+    n = sum(sum(r[2]) for r in pick if len(r[3]))                               # the agent tokens the mean is over
+    total, grad = 0.0, False
+    for i in range(0, len(pick), rows):
+        loss, mask = cold_start_loss(run, pick[i:i + rows])
+        part = (loss * mask).sum() / max(n, 1)
+        if part.requires_grad:
+            part.backward()
+            grad = True
+        total += part.detach()
+    return total if grad else None
 
 
 @torch.no_grad()

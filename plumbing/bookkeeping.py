@@ -331,17 +331,23 @@ class Diverged(Exception):
 
 def optimizer_step(run, opt, loss, module):
     """One update of a module (or a list of parameters), skipped (counted, logged) if the loss or a
-    gradient is not finite, so a NaN never reaches the weights; --max_skips skips in a row stop the run."""
+    gradient is not finite (loss: a tensor, or a function that accumulates micro-batches' gradients; -> the loss), so a NaN never reaches the weights; --max_skips skips in a row stop the run."""
     opt.zero_grad(set_to_none=True)
-    if not loss.requires_grad:  # nothing this step depends on the parameters (e.g. nothing retrieved)
-        return
+    accumulated = callable(loss)  # --micro_batch: a function that runs each micro-batch's forward and backward
+    if accumulated:               # and returns the whole batch's loss, detached (None: no gradient anywhere)
+        loss = loss()
+        if loss is None:
+            return loss
+    elif not loss.requires_grad:  # nothing this step depends on the parameters (e.g. nothing retrieved)
+        return loss
     if torch.isfinite(loss):
-        loss.backward()
+        if not accumulated:
+            loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(module.parameters() if isinstance(module, torch.nn.Module) else module, 1.0)
         if torch.isfinite(norm):
             opt.step()
             run.skips_in_a_row = 0
-            return
+            return loss
         opt.zero_grad(set_to_none=True)
     run.log['skipped'].append(1)
     run.skips_in_a_row += 1
@@ -349,6 +355,7 @@ def optimizer_step(run, opt, loss, module):
     if run.skips_in_a_row >= run.args.max_skips:
         raise Diverged(f'{run.skips_in_a_row} updates in a row had a non-finite loss or gradient; '
                        f'none reached the weights: lower --lr or look at the inputs of these steps')
+    return loss
 
 
 class Guard:
@@ -385,8 +392,9 @@ class Guard:
         if kind in (Diverged, OutOfSync):
             fail(f'stopped in step {self.run.step + 1}: {e}; the last checkpoint is in {where}/')
         if kind is not None and issubclass(kind, RuntimeError) and 'out of memory' in str(e).lower():
-            fail(f'out of memory on {pick_device(a.device)}: lower --batch (now {a.batch}) or --eval_tasks (now '
-                 f'{a.eval_tasks}), or pick a smaller --model; the last checkpoint is in {where}/')
+            fail(f'out of memory on {pick_device(a.device)}: lower --micro_batch (now {a.micro_batch}: rows per forward of '
+                 f'the warm-up, the cold start and evaluation), --batch (now {a.batch}), --score_chunk (now {a.score_chunk}), '
+                 f'or turn on --grad_ckpt; the last checkpoint, if any, is in {where}/')
         return False
 
 

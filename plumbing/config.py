@@ -54,6 +54,8 @@ def parse_args(Args, argv=None, description=''):
         a.lora_r = 16 if a.model else 0
     if a.score_chunk < 0:
         a.score_chunk = 256 if a.model else 0
+    if a.micro_batch < 0:
+        a.micro_batch = 4 if a.model else 0
     if a.export:
         a.resume = a.resume or a.export
     check_args(a, given)

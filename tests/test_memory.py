@@ -1,0 +1,129 @@
+"""--micro_batch: the same updates, and memory that does not grow with the batch beyond it.
+
+- the warm-up's and the cold start's gradients accumulated over micro-batches equal the whole
+  batch's (the mean over every agent token of the batch, not a mean of means);
+- measured as ratios in one run, each phase in a process of its own (peak RSS), on a tiny model with
+  Qwen3's vocabulary (V = 151,936): a warm-up step and an evaluation grow by (almost) nothing when
+  their batch triples at a fixed micro-batch, and by far more without one (which is what shows the
+  measurement can see the difference)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import envs  # noqa: E402
+import lopd  # noqa: E402
+import tiny_hf  # noqa: E402
+import train  # noqa: E402
+import warmup  # noqa: E402
+from conftest import TINY_BASE  # noqa: E402
+
+torch.set_num_threads(1)
+V = 151_936
+
+
+def grads(params):
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def test_the_warm_up_in_micro_batches_is_the_same_gradient():
+    args = train.parse_args(["--d_model", "32", "--n_layer", "1", "--bpe_merges", "0"])
+    env = envs.make_env("tooluse")
+    tok, model = warmup.load_model(args, env)
+    pool, by_family = warmup.warmup_pool(env)
+    import random
+    rng = random.Random(0)
+    demos, contexts = zip(*[warmup.warmup_demo(env, t, by_family, rng, 0.6) for t in rng.sample(pool, 7)])
+    out = []
+    for rows, backward in [(16, False), (3, True), (1, True)]:
+        model.zero_grad()
+        loss = warmup.warmup_loss(model, tok, demos, contexts, "cpu", rows, backward=backward)
+        if not backward:
+            loss.backward()
+        out.append((loss.detach(), grads(model.parameters())))
+    for loss, g in out[1:]:
+        assert torch.allclose(loss, out[0][0], atol=1e-6) and torch.allclose(g, out[0][1], atol=1e-6, rtol=1e-4)
+
+
+def test_the_cold_start_in_micro_batches_is_the_same_gradient(base_in, tmp_path):
+    out = base_in(tmp_path)
+    run = train.build(train.parse_args(["--method", "lopd", "--init_episodes", "16", "--cold_start_steps", "0",
+                                        "--cold_start", "text", "--eval_tasks", "4", "--teacher_eval", "0", "--eval_samples", "0",
+                                        *TINY_BASE, "--out_dir", str(out)]))
+    tasks = run.env.train_tasks[100:107]
+    eps, bodies, masks = train.rollout(run.model, run.tok, run.env, tasks)
+    rows = list(zip(eps, bodies, masks))
+    rows = [r + read for r, read in zip(rows, warmup.frozen_reading(run, rows))]
+    assert sum(len(r[3]) > 0 for r in rows) >= 2                               # rows that retrieve, and their mean
+    phi = list(run.state["composer"].parameters())
+    for p in phi:
+        p.grad = None
+    whole = lopd.masked_mean(*warmup.cold_start_loss(run, rows))
+    whole.backward()
+    want = grads(phi)
+    for p in phi:
+        p.grad = None
+    got = warmup.cold_start_micro(run, rows, 2)
+    assert torch.allclose(got, whole.detach(), atol=1e-6) and torch.allclose(grads(phi), want, atol=1e-6, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- memory, as ratios
+
+PROBE = r"""
+import contextlib, io, json, os, resource, sys
+sys.path[:0] = [os.environ['ROOT']]
+import torch
+torch.set_num_threads(1)
+import envs, train, warmup
+phase, folder, out, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+args = train.parse_args(['--model', folder, '--out_dir', out, '--lora_r', '0'] + argv)
+env = envs.make_env(args.env)
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+if phase == 'warmup':
+    tok, model = warmup.load_model(args, env)
+before = peak()   # build (the evaluation) loads the model itself: the same for every batch
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    warmup.warmup(args, tok, model, env, 'cpu') if phase == 'warmup' else train.build(args)   # build: the base's evaluation
+print(json.dumps(peak() - before))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory):
+    """A 2-layer Qwen3 of width 128 with Qwen3's vocabulary and a ChatML byte tokenizer."""
+    from transformers import AutoModelForCausalLM
+    folder = tmp_path_factory.mktemp("qwen3-v151936")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_hf.config("qwen3", V, d=128, layers=2)).save_pretrained(folder)
+    tiny_hf.tokenizer(True).save_pretrained(folder)
+    return str(folder)
+
+
+def grew(phase, folder, tmp_path, *argv):
+    """MiB the peak resident memory grew by over the phase, in a fresh process."""
+    out = tmp_path / "-".join([phase, *argv]).replace("--", "")
+    r = subprocess.run([sys.executable, "-c", PROBE, phase, folder, str(out), *argv], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "ROOT": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_up_step_grows_with_the_micro_batch_not_the_batch(big_vocab, tmp_path):
+    w = lambda batch, micro: grew("warmup", big_vocab, tmp_path, "--warmup_steps", "1", "--warmup_batch", str(batch),
+                                  "--micro_batch", str(micro))
+    small, big, whole = w(4, 1), w(12, 1), w(12, 0)
+    print(f"warm-up step, peak RSS growth: batch 4 / 12 at micro-batch 1, 12 whole: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
+    assert big - small < 0.25 * (whole - small)
+
+
+def test_an_evaluation_grows_with_the_micro_batch_not_the_tasks(big_vocab, tmp_path):
+    e = lambda tasks, micro: grew("eval", big_vocab, tmp_path, "--method", "grpo", "--warmup_steps", "0", "--eval_samples", "0",
+                                  "--eval_tasks", str(tasks), "--micro_batch", str(micro))
+    small, big, whole = e(3, 1), e(9, 1), e(9, 0)
+    print(f"evaluation, peak RSS growth: 3 / 9 tasks at micro-batch 1, 9 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
+    assert big - small < 0.25 * (whole - small)
