@@ -315,7 +315,7 @@ def cold_start(run, rollout):
                 loss = lopd.masked_mean(*cold_start_loss(run, pick))
             loss = bk.optimizer_step(run, opt, loss, retrieval.phi_params(s['composer'], s['reader']))
         if loss is not None:
-            bar.set_postfix(loss=f'{float(loss):.3f}')
+            bar.set_postfix(loss=f'{float(loss.detach()):.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
     if s['reader'] is not None:
         s['reader0'].load_state_dict(s['reader'].state_dict())

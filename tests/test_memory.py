@@ -2,7 +2,7 @@
 
 - the warm-up's and the cold start's gradients accumulated over micro-batches equal the whole
   batch's (the mean over every agent token of the batch, not a mean of means);
-- measured as ratios in one run, each phase in a process of its own (peak RSS), on a tiny model with
+- measured as ratios in one run, each phase in a process of its own (peak RSS over the phase, VmHWM), on a tiny model with
   Qwen3's vocabulary (V = 151,936): a warm-up step and an evaluation grow by (almost) nothing when
   their batch triples at a fixed micro-batch, and by far more without one (which is what shows the
   measurement can see the difference)."""
@@ -75,20 +75,34 @@ def test_the_cold_start_in_micro_batches_is_the_same_gradient(base_in, tmp_path)
 # ----------------------------------------------------------------------------- memory, as ratios
 
 PROBE = r"""
-import contextlib, io, json, os, resource, sys
+import contextlib, io, json, os, sys
 sys.path[:0] = [os.environ['ROOT']]
 import torch
 torch.set_num_threads(1)
 import envs, train, warmup
 phase, folder, out, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 args = train.parse_args(['--model', folder, '--out_dir', out, '--lora_r', '0'] + argv)
-env = envs.make_env(args.env)
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-if phase == 'warmup':
-    tok, model = warmup.load_model(args, env)
-before = peak()   # build (the evaluation) loads the model itself: the same for every batch
+
+def peak():  # the peak resident memory since the last reset (Linux: VmHWM), MiB
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) / 1024
+
+def reset():
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+    return peak()
+
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-    warmup.warmup(args, tok, model, env, 'cpu') if phase == 'warmup' else train.build(args)   # build: the base's evaluation
+    if phase == 'warmup':
+        env = envs.make_env(args.env)
+        tok, model = warmup.load_model(args, env)
+        before = reset()
+        warmup.warmup(args, tok, model, env, 'cpu')
+    else:  # the evaluation, once the run is built (built with one task, so that it costs little)
+        n, args.eval_tasks = args.eval_tasks, 1
+        run = train.build(args)
+        run.args.eval_tasks = n
+        before = reset()
+        train.evaluate(run)
 print(json.dumps(peak() - before))
 """
 
