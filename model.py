@@ -296,12 +296,13 @@ def encode_episode(tok, ep):
 
 def pad_batch(seqs, masks, pad, device):
     """Right-pad bodies -> ids (B, T), agent mask (B, T), attention mask (B, T)."""
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    amask = torch.zeros(len(seqs), T)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    T, cpu = max(len(s) for s in seqs), 'cpu'                                   # built on the host, then one copy each
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long, device=cpu)
+    amask = torch.zeros(len(seqs), T, device=cpu)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long, device=cpu)
     for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, :len(s)], amask[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), torch.tensor(m, dtype=torch.float), 1
+        ids[i, :len(s)], amask[i, :len(s)] = torch.tensor(s, device=cpu), torch.tensor(m, dtype=torch.float, device=cpu)
+        attn[i, :len(s)] = 1
     return ids.to(device), amask.to(device), attn.to(device)
 
 

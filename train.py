@@ -185,7 +185,7 @@ def lopd_step(run):
         #    <|bos|><|ctx|>past: z_1 \n … z_J \n  (None for a rollout with nothing retrieved)
         z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)            # (ΣN·K, d) each
         prefixes = retrieval.latent_prefixes(run, z, found)                     # B × (P_i, d) or None
-        keep = torch.tensor([p is not None for p in prefixes])                  # (B,) no latents: no teacher
+        keep = torch.tensor([p is not None for p in prefixes], device=run.device)  # (B,) no latents: no teacher
         # 4. teacher phase: the frozen teacher scores every agent token of every rollout in one forward,
         #    with φ's graph kept for step 6 (with LoRA, θ's step changes tensors that graph would hold:
         #    step 6 scores again instead)
@@ -211,7 +211,7 @@ def lopd_step(run):
             # 6. composer phase, eq. (3): KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², where the margin (2)
             #    Δ = mean_τ A(τ)·mean_{t∈A}[log π_T(y_t|z, …) − sg log π_θ(y_t|…)], A = 2r − 1;
             #    then the dual step β ← max(0, β + η_β(m − Δ))
-            k = keep.to(run.device)
+            k = keep
             if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: θ's step changed tensors that graph holds
                 logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)
             loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
@@ -312,7 +312,7 @@ def teacher_phase(run, b):
         return None
     with torch.set_grad_enabled(run.teacher is not run.model):
         ctx = embed_context(run, run.method.context(run, b.eps))
-    keep = torch.tensor([p is not None for p in ctx])                            # (B,) no context: no teacher
+    keep = torch.tensor([p is not None for p in ctx], device=run.device)        # (B,) no context: no teacher
     with torch.set_grad_enabled(any(p is not None and p.requires_grad for p in ctx)):   # else no graph to keep
         return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
 
