@@ -138,7 +138,7 @@ class Adapter:
     teacher costs no copy of the model. While it runs, `on` is True (ACSD steers only then)."""
 
     def __init__(self, peft, name=None):
-        self.peft, self.name, self.on = peft, name, False
+        self.peft, self.name, self.on, self._params = peft, name, False, None
 
     @contextlib.contextmanager
     def active(self):
@@ -171,9 +171,12 @@ class Adapter:
         return getattr(self.peft, k)
 
     def parameters(self):
-        """This adapter's tensors, in the order of the modules (paired with θ's by lopd.ema_update)."""
-        pat = re.compile(rf'\.{re.escape(self.name)}(\.|$)')
-        return [p for n, p in self.peft.named_parameters() if pat.search(n)]
+        """This adapter's tensors, in the order of the modules (paired with θ's by lopd.ema_update);
+        looked up once (every switch to the EMA teacher reads them)."""
+        if self._params is None:
+            pat = re.compile(rf'\.{re.escape(self.name)}(\.|$)')
+            self._params = [p for n, p in self.peft.named_parameters() if pat.search(n)]
+        return self._params
 
     def state_dict(self):
         from peft import get_peft_model_state_dict
