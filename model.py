@@ -52,7 +52,9 @@ def load(model_name=None, d_model=128, n_layer=4, ranks=None, dtype=torch.float3
     if model_name.endswith('.gguf'):
         where, kw = os.path.dirname(os.path.abspath(model_name)), {'gguf_file': os.path.basename(model_name)}
     tok = Tokenizer(hf=AutoTokenizer.from_pretrained(where, **kw), system=system)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw)
+    # use_kernels=False: transformers >= 5.2x swaps layers for kernels from the Hub on CUDA by default,
+    # code fetched at run time and refused without trust_remote_code (seen on an H200: no step ran)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, use_kernels=False, **kw)
     if kw:  # the weights are plain dequantized tensors now: drop the mark that forbids saving them (--export)
         model.hf_quantizer = None
         model.config.__dict__.pop('quantization_config', None)

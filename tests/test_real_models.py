@@ -280,6 +280,16 @@ def test_chunked_logits_select_rows_as_a_tensor_does():
 
 # ----------------------------------------------------------------------------- LoRA
 
+def test_no_kernels_are_fetched_from_the_hub(hf):
+    """transformers kernelizes a loaded model from the Hub by default (on CUDA: code downloaded at run
+    time, refused without trust_remote_code; on an H200 no step ran). model.load turns it off, and
+    switching train/eval (which re-kernelizes a model that uses them) keeps it off."""
+    _, m = M.load(hf("qwen3"))
+    assert not m.use_kernels
+    with M.train_mode(m):
+        assert not m.use_kernels
+
+
 def test_lora_teachers_share_the_base_weights(hf):
     tok, base = M.load(hf("llama"))
     ref = copy.deepcopy(base)
