@@ -323,19 +323,44 @@ def text_prefix(model, tok, texts):
     return [embed(model, torch.tensor(tok.context_head() + tok.encode(t), device=model.device)) for t in texts]
 
 
+class Turns:
+    """The KV cache of a batch of conversations, kept across their turns (rollout passes one per
+    episode batch): each turn reads only what is new since the agent's last token (a cut turn's
+    <|eot|>, the observation), not the system prompt and the earlier turns again.
+    rows: which conversations the cache holds; fed: body tokens of each already in it."""
+
+    def __init__(self):
+        self.cache, self.mask, self.rows, self.fed = None, None, [], []
+
+
 @torch.no_grad()
-def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
+def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, turns=None, rows=None):
     """Sample one agent turn per row (at `temperature`, or greedy), with a KV cache, until <|eot|> or max_new tokens.
 
-    prefixes: list of (P_i, d) context embeddings; bodies: list of token lists.
-    Rows are left-padded so that every row's next token is at the last position."""
-    rows = [torch.cat([p, embed(model, torch.tensor(b, device=model.device))]) for p, b in zip(prefixes, bodies)]
-    L, B = max(r.shape[0] for r in rows), len(rows)
-    E = rows[0].new_zeros(B, L, rows[0].shape[1])
+    prefixes: list of (P_i, d) context embeddings; bodies: list of token lists. Rows are left-padded
+    so that every row's next token is at the last position (padding gets no position: a row's
+    tokens do not depend on the batch). turns (a Turns) and rows (which conversations these are):
+    the cache of their earlier turns, whose bodies only grew since; a conversation left out is
+    dropped from it."""
+    if turns is not None and turns.cache is not None:                           # a later turn: only the new tokens
+        at = [turns.rows.index(r) for r in rows]
+        if len(at) < len(turns.rows):                                           # episodes that ended leave the batch
+            turns.cache.batch_select_indices(torch.tensor(at, device=model.device))
+        fed = [turns.fed[k] for k in at]
+        new = [embed(model, torch.tensor(b[n:], device=model.device)) for b, n in zip(bodies, fed)]
+        past, before = turns.cache, turns.mask[at]
+    else:
+        new = [torch.cat([p, embed(model, torch.tensor(b, device=model.device))]) for p, b in zip(prefixes, bodies)]
+        fed, past, before = [0] * len(bodies), None, None
+    assert all(r.shape[0] for r in new), 'a later turn must add tokens'
+    L, B = max(r.shape[0] for r in new), len(new)
+    E = new[0].new_zeros(B, L, new[0].shape[1])
     mask = torch.zeros(B, L, dtype=torch.long, device=model.device)
-    for i, r in enumerate(rows):
+    for i, r in enumerate(new):
         E[i, L - r.shape[0]:], mask[i, L - r.shape[0]:] = r, 1
-    logits, cache = forward(model, E, mask, use_cache=True, last_only=True)
+    mask = mask if before is None else torch.cat([before, mask], 1)
+    logits, cache = forward(model, E, mask, past=past, use_cache=True, last_only=True)
+    start = mask.shape[1]                                                       # the columns this turn's tokens fill
     pos = mask.sum(-1, keepdim=True) - 1                                        # (B, 1) position of the last token
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     steps = []                                                                  # (B,) tokens, -1 once a row is done
@@ -343,13 +368,16 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
         last = logits[:, -1].float()                                            # (B, V)
         nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last / temperature, -1), 1).squeeze(-1)
         steps.append(torch.where(done, -1, nxt))
-        done = done | (nxt == tok.eot)
+        was, done = done, done | (nxt == tok.eot)
         if bool(done.all()):                                                    # the one host sync of a step
             break
-        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        mask, pos = torch.cat([mask, (~was).long()[:, None]], 1), pos + 1      # a finished row's tokens: masked out
         logits, cache = forward(model, embed(model, nxt[:, None]), mask, past=cache, pos=pos, use_cache=True)
-    rows = torch.stack(steps, 1).tolist() if steps else [[] for _ in range(B)]  # (B, steps), read once at the end
-    return [[t for t in row if t >= 0] for row in rows]
+    rows_out = torch.stack(steps, 1).tolist() if steps else [[] for _ in range(B)]  # (B, steps), read once at the end
+    if turns is not None:  # the body tokens now in the cache: what was fed before, the new piece, the tokens fed since
+        turns.cache, turns.mask, turns.rows = cache, mask, list(rows if rows is not None else range(B))
+        turns.fed = [len(b) + int(k) for b, k in zip(bodies, mask[:, start:].sum(-1).tolist())]
+    return [[t for t in row if t >= 0] for row in rows_out]
 
 
 def logits_on(model, prefixes, ids, attn, chunk=0):

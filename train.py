@@ -120,19 +120,20 @@ def parse_args(argv=None):
 def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0):
     """Step 1. Play one episode per task, all rows in one batch, turn by turn.
 
-    Within a turn the agent's tokens come from the KV cache; between turns the env's
-    observation is appended and the prefix is re-read once (cheap next to decoding).
+    One KV cache for the whole episode: a turn reads only the env's observation (and the
+    <|eot|> that closes a cut turn), not the system prompt and the earlier turns again.
     -> episodes, bodies (token lists without <|bos|>), agent masks (1 = agent-generated)."""
     prefixes = prefixes or M.bos_prefix(model, tok, len(tasks))
     eps = [env.reset(t) for t in tasks]
     bodies = [M.obs_ids(tok, t.prompt, first=True) for t in tasks]
     masks = [[0] * len(b) for b in bodies]
+    turns = M.Turns()                                                           # the KV cache across turns
     for _ in range(env.max_turns):
         live = [i for i, e in enumerate(eps) if not e.done]
         if not live:
             break
         outs = M.generate(model, tok, [prefixes[i] for i in live], [bodies[i] for i in live],
-                          env.max_action_tokens, greedy, temperature)
+                          env.max_action_tokens, greedy, temperature, turns=turns, rows=live)
         for i, out in zip(live, outs):
             bodies[i] += out
             masks[i] += [1] * len(out)                                          # only what the agent generated

@@ -166,6 +166,28 @@ def test_generate_with_teacher_prefixes_matches_naive_decoding(setup):
     assert plain != outs
 
 
+@pytest.mark.parametrize("fitted,greedy", [(True, True), (True, False), (False, False)])
+def test_the_kv_cache_across_turns_reads_as_the_whole_conversation_again(setup, monkeypatch, greedy, fitted):
+    """rollout keeps one KV cache per episode batch (a turn reads only its observation): the
+    episodes, bodies and masks are those of re-reading the whole conversation every turn, with
+    episodes that end early leaving the batch, cut turns, and contexts of different lengths."""
+    tok, env, m = setup
+    m = copy.deepcopy(m).double()  # no argmax near-ties from round-off
+    tasks = env.eval_tasks[:10]
+    prefixes = M.text_prefix(m, tok, [f"reference solution: {t.solution}\n" if i % 3 else "" for i, t in enumerate(tasks)]) \
+        if fitted else None
+    played = {}
+    for name, turns in (("cached", M.Turns), ("re-read", lambda: None)):
+        monkeypatch.setattr(M, "Turns", turns)
+        torch.manual_seed(3)
+        eps, bodies, masks = train.rollout(m, tok, env, tasks, greedy=greedy, prefixes=prefixes)
+        played[name] = ([e.turns for e in eps], bodies, masks)
+    assert played["cached"] == played["re-read"]
+    turns = [len(t) for t in played["cached"][0]]
+    cut = sum(t == tok.eot and k == 0 for b, mk in zip(*played["cached"][1:]) for t, k in zip(b, mk))
+    assert len(set(turns)) > 1 and max(turns) > 2 if fitted else cut    # episodes end at different turns; cut turns
+
+
 def test_teacher_rollout_with_latent_prefixes(setup):
     """The teacher decodes whole episodes with a context that holds latent vectors (as
     train.evaluate does for LOPD); the same rows with the same prefixes reproduce."""
