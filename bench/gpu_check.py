@@ -157,12 +157,13 @@ def main():
         import tiny_hf
         small = tiny_hf.save(tempfile.mkdtemp(dir=a.out), 'qwen3')
         name += '; training checks on a random Qwen3 of width 32 with the byte vocabulary'
-    for check in (lambda: check_logprobs(path, device), lambda: check_decoding(path, device),
-                  lambda: check_training(small, device, a.quick, a.out, cuda), lambda: check_torchrun(path, a.out)):
+    for label, check in (('logprobs', lambda: check_logprobs(path, device)), ('decoding', lambda: check_decoding(path, device)),
+                         ('train', lambda: check_training(small, device, a.quick, a.out, cuda)),
+                         ('torchrun', lambda: check_torchrun(path, a.out))):
         try:
             check()
         except (Exception, SystemExit) as e:  # a check that raises (or a run that exits) fails; the others still run
-            row(getattr(check, '__name__', 'check'), False, f'{type(e).__name__}: {str(e)[:150]}')
+            row(label, False, f'{type(e).__name__}: {str(e)[:150]}')
     where = torch.cuda.get_device_name() if cuda else 'CPU (no CUDA device: the GPU parts are skipped)'
     print(f'\nGPU check on {where}, torch {torch.__version__}, {name}\n')
     print('| check | result | detail |\n|---|---|---|')
