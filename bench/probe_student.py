@@ -31,7 +31,7 @@ os.chdir(ROOT)
 name = extra[extra.index('--name') + 1] if '--name' in extra else f'probe-student-{lr}'
 os.makedirs(os.path.join('runs', name), exist_ok=True)
 run = train.build(train.parse_args(['--eval_tasks', '4', '--eval_samples', '0', '--teacher_eval', '0', '--overwrite',
-                                    '--lr', str(lr), '--name', name, *extra]))
+                                    '--lr', '3e-4', '--name', name, *extra]))   # LR acts in the probe's own optimizer: the run (and its cached setup) is the same
 tok, env, model = run.tok, run.env, run.model
 tasks = random.Random(7).sample(env.train_tasks, n_tasks)
 trainable = [p for p in model.parameters() if p.requires_grad]
