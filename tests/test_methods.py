@@ -393,9 +393,9 @@ def test_temperature_reaches_the_training_rollouts_only(out, monkeypatch, name):
     run = tiny_run(out, name, "--temperature", "0.7", "--name", f"{name}-t07")
     seen, generate = [], M.generate
 
-    def record(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0):
+    def record(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, **kw):
         seen.append((greedy, temperature))
-        return generate(model, tok, prefixes, bodies, max_new, greedy, temperature)
+        return generate(model, tok, prefixes, bodies, max_new, greedy, temperature, **kw)
     monkeypatch.setattr(M, "generate", record)
     train.train_step(run)
     assert seen and all(s == (False, 0.7) for s in seen)
