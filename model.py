@@ -351,7 +351,7 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, tur
         past, before = turns.cache, turns.mask[at]
     else:
         new = [torch.cat([p, embed(model, torch.tensor(b, device=model.device))]) for p, b in zip(prefixes, bodies)]
-        fed, past, before = [0] * len(bodies), None, None
+        past, before = None, None
     assert all(r.shape[0] for r in new), 'a later turn must add tokens'
     L, B = max(r.shape[0] for r in new), len(new)
     E = new[0].new_zeros(B, L, new[0].shape[1])
