@@ -38,9 +38,10 @@ def _f32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def token_logp(logits, y):
-    """log π(y_t) for the sampled tokens. logits (B, T, V), y (B, T) -> (B, T)."""
-    return per_position(lambda l, y: torch.gather(F.log_softmax(_f32(l), -1), -1, y.unsqueeze(-1)).squeeze(-1), logits, y)
+def token_logp(logits, y, where=None):
+    """log π(y_t) for the sampled tokens. logits (B, T, V), y (B, T) -> (B, T) (`where`: per_position's)."""
+    return per_position(lambda l, y: torch.gather(F.log_softmax(_f32(l), -1), -1, y.unsqueeze(-1)).squeeze(-1), logits, y,
+                        where=where)
 
 
 def masked_mean(x, mask):
@@ -80,10 +81,10 @@ def divergence_from_logp(logp_s, logp_t, kind='rkl', beta=0.5):
     raise ValueError(f'unknown divergence {kind!r}')
 
 
-def divergence(logits_s, logits_t, kind='rkl', beta=0.5):
-    """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T)."""
+def divergence(logits_s, logits_t, kind='rkl', beta=0.5, where=None):
+    """Full-vocabulary per-token divergence. logits (B, T, V) -> (B, T) (`where`: per_position's)."""
     return per_position(lambda s, t: divergence_from_logp(F.log_softmax(_f32(s), -1), F.log_softmax(_f32(t), -1), kind, beta),
-                        logits_s, logits_t)
+                        logits_s, logits_t, where=where)
 
 
 def entropy(logits):
@@ -101,7 +102,7 @@ def _with_tail(topk_logp):
     return torch.cat([topk_logp, torch.log(-torch.expm1(log_top))], -1)
 
 
-def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
+def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5, where=None):
     """Divergence over the teacher's top-k tokens + one tail bucket, for big vocabularies.
 
     Both distributions are read at the *teacher's* top-k ids, so the buckets match.
@@ -112,7 +113,7 @@ def topk_divergence(logits_s, logits_t, k, kind='rkl', beta=0.5):
         s = _with_tail(torch.gather(logp_s, -1, idx))              # (…, k+1)
         t = _with_tail(torch.gather(logp_t, -1, idx))              # (…, k+1)
         return divergence_from_logp(s, t, kind, beta)
-    return per_position(f, logits_s, logits_t)
+    return per_position(f, logits_s, logits_t, where=where)
 
 
 def distill_loss(logits_s, logits_t, mask, kind='rkl', topk=0, beta=0.5):
@@ -122,7 +123,7 @@ def distill_loss(logits_s, logits_t, mask, kind='rkl', topk=0, beta=0.5):
     One forward pass per role already scored every prefix (causal attention), so this
     is a masked mean over positions. The teacher is detached: gradients reach θ only."""
     logits_t = logits_t.detach()
-    d = topk_divergence(logits_s, logits_t, topk, kind, beta) if topk else divergence(logits_s, logits_t, kind, beta)
+    d = topk_divergence(logits_s, logits_t, topk, kind, beta, mask) if topk else divergence(logits_s, logits_t, kind, beta, mask)
     return masked_mean(d, mask)
 
 
@@ -285,8 +286,8 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0,
     logits_s = logits_s.detach()
     m = mask.to(torch.float32)
     n = m.sum(-1).clamp(min=1)                                                  # (B,) agent tokens per rollout
-    kl = ((divergence(logits_s, logits_t, 'rkl') * m).sum(-1) / n).mean()      # per rollout, then over rollouts
-    delta_t = token_logp(logits_t, y) - token_logp(logits_s, y)                # (B, T) δ_t
+    kl = ((divergence(logits_s, logits_t, 'rkl', where=mask) * m).sum(-1) / n).mean()   # per rollout, then over rollouts
+    delta_t = token_logp(logits_t, y, mask) - token_logp(logits_s, y, mask)    # (B, T) δ_t
     r = reward.to(delta_t.dtype)
     A = r - r.mean() if centered else 2 * r - 1                                 # (B,) A(τ)
     delta_traj = A * (delta_t * m).sum(-1) / n                                  # (B,) A(τ)·mean_t δ_t
@@ -366,6 +367,9 @@ class Logits:
     def __getitem__(self, rows):  # a subset of rollouts, as a tensor's logits[keep] is
         return Logits(self.h[rows], self.weight, self.bias, self.chunk, self.softcap, self.grad)
 
+    def positions(self, at):  # the flattened positions `at` (N,) of the batch, as one row: (1, N, V)
+        return Logits(self.h.reshape(-1, self.h.shape[-1])[at][None], self.weight, self.bias, self.chunk, self.softcap, self.grad)
+
     def head(self, h):
         """Hidden states (N, d) -> float32 logits (N, V), through the model's own head (and its soft
         cap, e.g. Gemma 2's), autocast off: bf16 logits at V = 151,936 err by a few hundredths of a
@@ -376,17 +380,24 @@ class Logits:
             return out if not self.softcap else torch.tanh(out / self.softcap) * self.softcap
 
 
-def per_position(f, *xs):
+def per_position(f, *xs, where=None):
     """f on every position's logits -> (B, T). xs are (B, T, V) logits (tensors or Logits) or
     (B, T) tensors (e.g. the sampled tokens); f maps their (N, V) / (N,) slices to (N,).
 
     Tensors only: f(*xs) in one go. With Logits, `chunk` positions of the flattened batch at a time,
     each chunk's logits recomputed in the backward pass (activation checkpointing): what the
-    chunks add up to is the same, but no more than one chunk's (chunk, V) logits are alive at once."""
+    chunks add up to is the same, but no more than one chunk's (chunk, V) logits are alive at once.
+    where (B, T), with Logits: f only on the positions where it is nonzero (the agent tokens a loss
+    reads), 0 elsewhere: the head's V-wide work is not spent on prompts, observations and padding."""
     lazy = [x for x in xs if isinstance(x, Logits)]
     if not lazy:
         return f(*xs)
     B, T, chunk = *lazy[0].shape[:2], lazy[0].chunk
+    if where is not None:
+        at = where.reshape(B * T).nonzero().squeeze(-1)                        # (N,) the positions read
+        pick = lambda x: x.positions(at) if isinstance(x, Logits) else x.reshape(B * T, *x.shape[2:])[at][None]
+        vals = per_position(f, *map(pick, xs)).view(-1)                         # (1, N) -> (N,)
+        return vals.new_zeros(B * T).index_put((at,), vals).view(B, T)
     flat = [x.h.reshape(B * T, x.h.shape[-1]) if isinstance(x, Logits) else x.reshape(B * T, *x.shape[2:]) for x in xs]
 
     def piece(*rows):  # one chunk of positions, its logits made here and dropped on return

@@ -24,6 +24,7 @@ import re
 import warnings
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import lopd
 from tokenizer import Tokenizer, byte_tokenizer
@@ -380,21 +381,35 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, tur
     return [[t for t in row if t >= 0] for row in rows_out]
 
 
-def logits_on(model, prefixes, ids, attn, chunk=0):
+def logits_on(model, prefixes, ids, attn, chunk=0, rows=0):
     """Score every prefix of the trajectories in one forward: (B, T, V), where row i,
     position t is π(· | context_i, body_i[:t]), i.e. the distribution of body token t.
 
     chunk > 0 (a run's --score_chunk): a lopd.Logits, the last hidden states and the LM head, that
     the losses read `chunk` positions at a time, so that (B, T, V) is never held for the batch.
-    Under autocast (bf16) the head runs in float32 either way: the log-probs are of float32 logits."""
-    E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
-    if chunk <= 0 and not torch.is_autocast_enabled(E.device.type):  # 0, or a config's unresolved -1 (auto: 0 or 256)
-        logits, _ = forward(model, E, mask)
-        return logits[:, P - 1:P - 1 + ids.shape[1]]
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    h = model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state
-    out = lopd.Logits(h[:, P - 1:P - 1 + ids.shape[1]], *head_weights(model), max(chunk, 0),
-                      getattr(model.config, 'final_logit_softcapping', None))
+    Under autocast (bf16) the head runs in float32 either way: the log-probs are of float32 logits.
+    rows > 0 (--micro_batch): the model's body runs `rows` rows at a time and, with a graph, each
+    piece's activations are recomputed in the backward (activation checkpointing), one piece at a
+    time: the loss still sees the whole batch, so any loss gets the same gradient."""
+    lazy = chunk > 0 or torch.is_autocast_enabled(ids.device.type)              # else (B, T, V) from the model's own head
+    T = ids.shape[1]
+
+    def body(prefixes, ids, attn):  # -> (b, T, d) last hidden states, or (b, T, V) logits
+        E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
+        if not lazy:
+            return forward(model, E, mask)[0][:, P - 1:P - 1 + T]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state[:, P - 1:P - 1 + T]
+
+    if 0 < rows < ids.shape[0]:
+        piece = lambda i: body(prefixes[i:i + rows], ids[i:i + rows], attn[i:i + rows])
+        h = torch.cat([checkpoint(piece, i, use_reentrant=False) if torch.is_grad_enabled() else piece(i)
+                       for i in range(0, ids.shape[0], rows)])
+    else:
+        h = body(prefixes, ids, attn)
+    if not lazy:
+        return h
+    out = lopd.Logits(h, *head_weights(model), max(chunk, 0), getattr(model.config, 'final_logit_softcapping', None))
     if chunk <= 0:  # under autocast, unchunked: the whole (B, T, V) at once, its head in float32
         return out.head(out.h.reshape(-1, out.h.shape[-1])).view(out.shape)
     return out if torch.is_grad_enabled() else out.detach()   # no graph: the head as it is now

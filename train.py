@@ -83,10 +83,10 @@ class Args:
                       '0 for the tiny model)', lo=-1, group=MODEL)
     score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
                            '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
-    micro_batch: int = arg(-1, 'rows per forward, and per backward, in the warm-up and LOPD\'s cold start, and per decoding '
-                           'batch in evaluation: their memory grows with it, not with --warmup_batch, the cold start\'s 32 rows '
-                           'or --eval_tasks (0 = 16 / 32 / 128 rows, one backward; -1 = 4 with --model, 0 for the tiny model)',
-                           lo=-1, group=MODEL)
+    micro_batch: int = arg(-1, 'rows per forward, and per backward, in every phase (rollout, teacher, student, composer, '
+                           'warm-up, cold start, evaluation): memory grows with it, not with --batch, --warmup_batch or '
+                           '--eval_tasks (0 = a phase\'s whole batch; the warm-up 16, the cold start 32 and evaluation 128 rows; '
+                           '-1 = 4 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
     grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
                           after_setup=True, group=MODEL)
     export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
@@ -117,13 +117,18 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- rollout (step 1)
 
 @torch.no_grad()
-def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0):
-    """Step 1. Play one episode per task, all rows in one batch, turn by turn.
+def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0, rows=0):
+    """Step 1. Play one episode per task, all rows in one batch (rows > 0, --micro_batch: `rows` at a
+    time), turn by turn.
 
     One KV cache for the whole episode: a turn reads only the env's observation (and the
     <|eot|> that closes a cut turn), not the system prompt and the earlier turns again.
     -> episodes, bodies (token lists without <|bos|>), agent masks (1 = agent-generated)."""
     prefixes = prefixes or M.bos_prefix(model, tok, len(tasks))
+    if 0 < rows < len(tasks):
+        parts = [rollout(model, tok, env, tasks[i:i + rows], greedy, prefixes[i:i + rows], temperature)
+                 for i in range(0, len(tasks), rows)]
+        return tuple([x for part in parts for x in part[k]] for k in range(3))
     eps = [env.reset(t) for t in tasks]
     bodies = [M.obs_ids(tok, t.prompt, first=True) for t in tasks]
     masks = [[0] * len(b) for b in bodies]
@@ -174,7 +179,8 @@ def lopd_step(run):
     train_phi = not a.freeze_composer                                          # step 6 on (the ablation: off)
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature), tasks)
+        eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature,
+                                                                      rows=a.micro_batch), tasks)
         ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)      # (B, T) each; amask = A
         reward = torch.tensor([e.reward for e in eps], device=run.device)       # (B,) graded, in [0, 1]
     run.episodes += len(eps)
@@ -191,10 +197,10 @@ def lopd_step(run):
         #    with φ's graph kept for step 6 (with LoRA, θ's step changes tensors that graph would hold:
         #    step 6 scores again instead)
         with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):
-            logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)  # (B, T, V)
+            logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk, a.micro_batch)  # (B, T, V)
     with run.timer('student'), M.train_mode(run.model):
         # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t))
-        score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn, a.score_chunk)
+        score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn, a.score_chunk, a.micro_batch)
         distill_mask = amask * keep[:, None].to(amask)                          # (B, T)
         logits_s = score()                                                      # (B, T, V)
         loss_distill = lopd.distill_loss(logits_s, logits_t, distill_mask, a.divergence or 'rkl', a.topk)
@@ -204,7 +210,7 @@ def lopd_step(run):
             bk.optimizer_step(run, run.opt, lopd.distill_loss(score(), logits_t, distill_mask, a.divergence or 'rkl', a.topk),
                               run.model)
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
-        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), amask).item()
+        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s, where=amask), amask).item()
     logs = {'loss': loss_distill.item(), 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             'family_hit': retrieval.family_hit(run, eps, found)}
     if train_phi:
@@ -214,7 +220,7 @@ def lopd_step(run):
             #    then the dual step β ← max(0, β + η_β(m − Δ))
             k = keep
             if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: θ's step changed tensors that graph holds
-                logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk)
+                logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk, a.micro_batch)
             loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
                                                          a.margin, a.lam, z, z0, centered=a.advantage == 'centered',
                                                          relative=a.anchor == 'relative')
@@ -315,14 +321,16 @@ def teacher_phase(run, b):
         ctx = embed_context(run, run.method.context(run, b.eps))
     keep = torch.tensor([p is not None for p in ctx], device=run.device)        # (B,) no context: no teacher
     with torch.set_grad_enabled(any(p is not None and p.requires_grad for p in ctx)):   # else no graph to keep
-        return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk), keep, ctx)
+        return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk, run.args.micro_batch),
+                       keep, ctx)
 
 
 def student_phase(run, b, teacher):
     """Step 5: one step of θ on the method's loss (--epochs steps for a distillation method, on the
     same rollouts and teacher scores); the student scores every prefix in one forward.
     -> the student's logits before the first step (detached, for an after-step hook) and its loss."""
-    score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk)
+    score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk,
+                                run.args.micro_batch)
     logits_s = score()                                                          # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
@@ -340,7 +348,7 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        play = functools.partial(rollout, temperature=a.temperature)
+        play = functools.partial(rollout, temperature=a.temperature, rows=a.micro_batch)
         eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
                                              play(run.model, run.tok, run.env, ts), tasks)
         b = Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps], device=run.device))
@@ -350,7 +358,7 @@ def train_step(run):
     with run.timer('student'), M.train_mode(run.model):
         logits_s, loss = student_phase(run, b, teacher)
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
-        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s), b.amask).item()
+        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s, where=b.amask), b.amask).item()
     logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             **m.after_step(run, b, logits_s, teacher)}
     for k, v in logs.items():
@@ -369,8 +377,7 @@ def evaluate(run):
     context (does the context carry information?)."""
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
     rows = a.micro_batch or 128                                                 # decoded at once: the KV cache's rows
-    play = lambda ts, **kw: parallel.shared(run, lambda ts: [e for i in range(0, len(ts), rows)
-                                                       for e in rollout(run.model, run.tok, run.env, ts[i:i + rows], **kw)[0]], ts)
+    play = lambda ts, **kw: parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
     with run.timer('eval'):
         eps = play(tasks, greedy=True)
         out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
@@ -388,9 +395,8 @@ def evaluate(run):
             out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
             out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
             prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
-            teps = parallel.shared(run, lambda ix: [e for k in range(0, len(ix), rows) for e in rollout(
-                run.teacher, run.tok, run.env, [tasks[i] for i in ix[k:k + rows]], greedy=True,
-                prefixes=[prefixes[i] for i in ix[k:k + rows]])[0]], list(range(len(tasks))))
+            teps = parallel.shared(run, lambda ix: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in ix], greedy=True,
+                                                           prefixes=[prefixes[i] for i in ix], rows=rows)[0], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
             out['teacher_success'] = float(np.mean([e.success for e in teps]))
     return bk.log_eval(run, out)

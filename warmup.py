@@ -145,7 +145,7 @@ def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=
         ids, amask, attn = M.pad_batch([seqs[i] for i in rows], [masks[i] for i in rows], tok.pad, device)
         prefixes = [M.text_prefix(model, tok, [contexts[i]])[0] if contexts[i] else M.bos_prefix(model, tok, 1)[0]
                     for i in rows]
-        nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk), ids)     # (b, T)
+        nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk), ids, amask)   # (b, T)
         if backward:  # this group's share of the mean over every agent token of the batch
             part = (nll * amask).sum() / max(n, 1)
             part.backward()
@@ -275,7 +275,8 @@ def cold_start_nll(run, ctx, ids, amask, attn):
     composed from their retrieved experiences. -> (B, T) per token, and the tokens it is averaged over."""
     keep = torch.tensor([p is not None for p in ctx], device=run.device)
     logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    return -lopd.token_logp(logits_t, ids), amask * keep[:, None].to(amask)
+    mask = amask * keep[:, None].to(amask)
+    return -lopd.token_logp(logits_t, ids, mask), mask
 
 
 def cold_start_text(run, ctx, ids, amask, attn):
@@ -288,7 +289,8 @@ def cold_start_text(run, ctx, ids, amask, attn):
         text = M.text_prefix(run.teacher, run.tok, [retrieval.bank_text(f) for f in ctx.found])
         logits_text = M.logits_on(run.teacher, text, ids, attn, run.args.score_chunk)
     logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    return lopd.divergence(logits_z, logits_text, 'fkl'), amask * keep[:, None].to(amask)
+    mask = amask * keep[:, None].to(amask)
+    return lopd.divergence(logits_z, logits_text, 'fkl', where=mask), mask
 
 
 COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}

@@ -27,7 +27,7 @@ from warmup import skill_text, solution_text
 
 def grpo_loss(run, b, logits_s, teacher=None, eps_hi=0.2):
     """PPO-clip with the group advantage (r − mean)/std, one epoch (so the ratio is 1)."""
-    logp = lopd.token_logp(logits_s, b.ids)
+    logp = lopd.token_logp(logits_s, b.ids, b.amask)                          # the head on agent tokens only
     return lopd.ppo_clip_loss(logp, logp.detach(), lopd.group_advantage(b.reward, run.method.group), b.amask, 0.2, eps_hi)
 
 
@@ -205,8 +205,8 @@ def skillsd_context(run, eps):
 def skillsd_loss(run, b, logits_s, teacher):
     """GRPO (PPO-clip, ε 0.2 / 0.28) + λ × importance-weighted sampled-token k3 reverse KL
     toward the skill-prompted teacher."""
-    logp = lopd.token_logp(logits_s, b.ids)
-    k3 = lopd.is_k3_loss(logp, logp.detach(), lopd.token_logp(teacher.logits, b.ids), b.amask)
+    logp = lopd.token_logp(logits_s, b.ids, b.amask)
+    k3 = lopd.is_k3_loss(logp, logp.detach(), lopd.token_logp(teacher.logits, b.ids, b.amask), b.amask)
     return grpo_loss(run, b, logits_s, eps_hi=0.28) + run.args.k3_coef * k3
 
 

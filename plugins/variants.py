@@ -79,9 +79,9 @@ def sod_weights(d, amask, tau=0.0):
 def sod_loss(run, b, logits_s, teacher):
     """L = Σ_{t∈A} w_{k(t)} D_t / |A|: the distillation loss with each token weighted by its turn's w_k."""
     a, kind = run.args, run.args.divergence or run.method.divergence
-    d = lopd.topk_divergence(logits_s, teacher.logits.detach(), a.topk, kind) if a.topk else \
-        lopd.divergence(logits_s, teacher.logits.detach(), kind)
     mask = b.amask * teacher.keep[:, None].to(b.amask)
+    d = lopd.topk_divergence(logits_s, teacher.logits.detach(), a.topk, kind, where=mask) if a.topk else \
+        lopd.divergence(logits_s, teacher.logits.detach(), kind, where=mask)
     return lopd.masked_mean(sod_weights(d, mask, a.sod_tau) * d, mask)
 
 
@@ -206,10 +206,10 @@ def gae(values, reward, mask, lam):
 
 def vaspo_loss(run, b, logits_s, teacher):
     """PPO-clip with A_t = GAE(V_ψ) and, where A_t > 0, A_t · clip(π_T(y_t)/π_θ(y_t), 1 − ε_T, 1 + ε_T)."""
-    logp, eps_t = lopd.token_logp(logits_s, b.ids), run.args.vaspo_eps
+    logp, eps_t = lopd.token_logp(logits_s, b.ids, b.amask), run.args.vaspo_eps
     with torch.no_grad():
         adv = gae(critic_values(run, teacher.context, b), b.reward, b.amask, run.args.gae_lambda)
-        ratio_t = torch.exp(lopd.token_logp(teacher.logits, b.ids) - logp).clamp(1 - eps_t, 1 + eps_t)
+        ratio_t = torch.exp(lopd.token_logp(teacher.logits, b.ids, b.amask) - logp).clamp(1 - eps_t, 1 + eps_t)
         adv = torch.where(adv > 0, adv * ratio_t, adv)
     return lopd.ppo_clip_loss(logp, logp.detach(), adv, b.amask)
 

@@ -392,8 +392,8 @@ class Guard:
         if kind in (Diverged, OutOfSync):
             fail(f'stopped in step {self.run.step + 1}: {e}; the last checkpoint is in {where}/')
         if kind is not None and issubclass(kind, RuntimeError) and 'out of memory' in str(e).lower():
-            fail(f'out of memory on {pick_device(a.device)}: lower --micro_batch (now {a.micro_batch}: rows per forward of '
-                 f'the warm-up, the cold start and evaluation), --batch (now {a.batch}), --score_chunk (now {a.score_chunk}), '
+            fail(f'out of memory on {pick_device(a.device)}: lower --micro_batch (now {a.micro_batch}: rows per forward and '
+                 f'backward in every phase), --batch (now {a.batch}), --score_chunk (now {a.score_chunk}), '
                  f'or turn on --grad_ckpt; the last checkpoint, if any, is in {where}/')
         return False
 

@@ -19,7 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TINY_BASE = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "60", "--warmup_batch", "32", "--warmup_lr", "1e-2"]
 # xdist hands each worker two modules to start with; the notebooks that build their base go
 # first, with a short module as their second, and the last notebook once the base is built
-LONGEST_FIRST = ["test_smollm2.py", "TestNotebooksFirst", "test_real_models.py", "test_reliability.py", "test_retrieval.py", "test_cli.py", "test_bench.py",
+LONGEST_FIRST = ["test_smollm2.py", "TestNotebooksFirst", "test_real_models.py", "test_reliability.py", "test_memory.py", "test_retrieval.py", "test_cli.py", "test_bench.py",
                  "TestNotebooksRest", "test_variants.py", "test_hf_model.py", "test_methods.py", "test_rollout.py", "test_fork.py"]
 
 

@@ -1,11 +1,16 @@
 """--micro_batch: the same updates, and memory that does not grow with the batch beyond it.
 
 - the warm-up's and the cold start's gradients accumulated over micro-batches equal the whole
-  batch's (the mean over every agent token of the batch, not a mean of means);
+  batch's (the mean over every agent token of the batch, not a mean of means); scoring in
+  micro-batches (logits_on's rows, the body recomputed one piece at a time in the backward) gives
+  the same loss and gradient, and a whole training step (LOPD's with its composer phase, SDPO's,
+  GRPO's) the same update;
 - measured as ratios in one run, each phase in a process of its own (peak RSS over the phase, VmHWM), on a tiny model with
-  Qwen3's vocabulary (V = 151,936): a warm-up step and an evaluation grow by (almost) nothing when
-  their batch triples at a fixed micro-batch, and by far more without one (which is what shows the
-  measurement can see the difference)."""
+  Qwen3's vocabulary (V = 151,936): a warm-up step, an evaluation and a training step's teacher and
+  student phases grow by (almost) nothing when their batch triples at a fixed micro-batch, and by
+  far more without one (which is what shows the measurement can see the difference)."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -72,10 +77,67 @@ def test_the_cold_start_in_micro_batches_is_the_same_gradient(base_in, tmp_path)
     assert torch.allclose(got, whole.detach(), atol=1e-6) and torch.allclose(grads(phi), want, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk,grad_ckpt", [(0, False), (16, False), (16, True)])
+def test_scoring_in_micro_batches_is_the_same_gradient(chunk, grad_ckpt):
+    """logits_on(rows=2): the body two rows at a time, recomputed in the backward; the loss over the
+    whole batch gets the same value and gradient, the model's and a context's that carries one (φ's latents)."""
+    import model as M
+    args = train.parse_args(["--d_model", "32", "--n_layer", "2", "--bpe_merges", "0"])
+    env = envs.make_env("tooluse")
+    tok, model = warmup.load_model(args, env)
+    if grad_ckpt:
+        M.checkpoint_activations(model)
+    torch.manual_seed(0)
+    lens = [9, 4, 12, 7, 5]
+    ids, amask, attn = M.pad_batch([torch.randint(0, 200, (n,)).tolist() for n in lens], [[1] * n for n in lens], tok.pad, "cpu")
+    z = torch.randn(3, 32, requires_grad=True)                                  # a context with a graph, on rows 1 and 3
+    out = []
+    for rows in (0, 2):
+        model.zero_grad()
+        z.grad = None
+        prefixes = [M.bos_prefix(model, tok, 1)[0] if i not in (1, 3) else torch.cat([M.bos_prefix(model, tok, 1)[0], z * (i - 0.5)])
+                    for i in range(len(lens))]
+        with M.train_mode(model):
+            loss = lopd.masked_mean(-lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk, rows), ids), amask)
+            loss.backward()
+        out.append((loss.detach(), grads(model.parameters()), z.grad.clone()))
+    (l0, g0, z0), (l1, g1, z1) = out
+    assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(z0, z1, atol=1e-6, rtol=1e-4) and z0.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", ["lopd", "sdpo", "grpo"])
+def test_a_training_step_in_micro_batches_is_the_same_update(method, base_in, tmp_path, monkeypatch):
+    """A whole step (LOPD's with its composer phase; a baseline's generic one) at --micro_batch 3 moves θ, φ
+    and β as the whole batch does, from the same rollouts."""
+    out = base_in(tmp_path)
+    flags = ["--method", method, "--batch", "16" if method == "grpo" else "8",   # GRPO: 4 groups, not all of equal rewards "--eval_tasks", "2", "--teacher_eval", "0", "--eval_samples", "0",
+             *TINY_BASE, "--out_dir", str(out)] + (["--init_episodes", "16", "--cold_start_steps", "0"] if method == "lopd" else [])
+    for m in ("0", "3"):
+        (out / f"mb{m}").mkdir()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        runs = [train.build(train.parse_args(flags + ["--micro_batch", m, "--name", f"mb{m}"])) for m in ("0", "3")]
+    real = train.rollout
+    monkeypatch.setattr(train, "rollout", lambda *a, rows=0, **k: real(*a, **k))   # the same episodes for both
+    rng, before = torch.get_rng_state(), [p.detach().clone() for p in runs[0].model.parameters()]
+    for run in runs:
+        torch.set_rng_state(rng)
+        (run.method.step or train.train_step)(run)
+    a, b = runs
+    assert a.log["loss"][-1] == pytest.approx(b.log["loss"][-1], abs=1e-6) and a.log["reward"] == b.log["reward"]
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6)
+    assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), before))    # the step moved θ
+    if method == "lopd":
+        assert a.state["beta"] == pytest.approx(b.state["beta"], abs=1e-6) and a.log["delta"][-1] != 0
+        for pa, pb in zip(a.state["composer"].parameters(), b.state["composer"].parameters()):
+            assert torch.allclose(pa, pb, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- memory, as ratios
 
 PROBE = r"""
-import contextlib, io, json, os, sys
+import contextlib, dataclasses, io, json, os, sys
 sys.path[:0] = [os.environ['ROOT']]
 import torch
 torch.set_num_threads(1)
@@ -97,12 +159,22 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
         tok, model = warmup.load_model(args, env)
         before = reset()
         warmup.warmup(args, tok, model, env, 'cpu')
-    else:  # the evaluation, once the run is built (built with one task, so that it costs little)
+    else:  # the evaluation, or one training step, once the run is built (evaluated on one task, so that it costs little)
         n, args.eval_tasks = args.eval_tasks, 1
         run = train.build(args)
+        if phase == 'step':  # the teacher and student phases on episodes of 1,024 tokens, every 16th the agent's, each
+            def fixed(model, tok, env, tasks, **kw):  # feedback for SDPO's teacher (the rollout's memory is the evaluation's)
+                g, T = torch.Generator().manual_seed(0), 1024
+                eps = [dataclasses.replace(env.reset(t), feedback='the wrong tool was called', done=True) for t in tasks]
+                return eps, [torch.randint(0, 1000, (T,), generator=g).tolist() for _ in tasks], [[int(k % 16 == 0) for k in range(T)]
+                                                                                                 for _ in tasks]
+            train.rollout = fixed
         run.args.eval_tasks = n
         before = reset()
-        train.evaluate(run)
+        if phase == 'eval':
+            train.evaluate(run)
+        else:
+            (run.method.step or train.train_step)(run)
 print(json.dumps(peak() - before))
 """
 
@@ -122,7 +194,10 @@ def grew(phase, folder, tmp_path, *argv):
     """MiB the peak resident memory grew by over the phase, in a fresh process."""
     out = tmp_path / "-".join([phase, *argv]).replace("--", "")
     r = subprocess.run([sys.executable, "-c", PROBE, phase, folder, str(out), *argv], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "ROOT": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                       timeout=600, env={**os.environ, "ROOT": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                            # glibc otherwise raises its mmap threshold after the first big free and keeps later
+                            # tensors' freed memory resident: the peak would count what is no longer alive
+                            "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -140,4 +215,13 @@ def test_an_evaluation_grows_with_the_micro_batch_not_the_tasks(big_vocab, tmp_p
                                   "--eval_tasks", str(tasks), "--micro_batch", str(micro))
     small, big, whole = e(3, 1), e(9, 1), e(9, 0)
     print(f"evaluation, peak RSS growth: 3 / 9 tasks at micro-batch 1, 9 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
+    assert big - small < 0.25 * (whole - small)
+
+
+def test_a_training_step_grows_with_the_micro_batch_not_the_batch(big_vocab, tmp_path):
+    """Rollout, teacher and student phases (SDPO: a teacher that scores every token, a student that backpropagates)."""
+    s = lambda batch, micro: grew("step", big_vocab, tmp_path, "--method", "sdpo", "--warmup_steps", "0", "--eval_samples", "0",
+                                  "--batch", str(batch), "--micro_batch", str(micro), "--seed", "1", "--score_chunk", "64")
+    small, big, whole = s(4, 1), s(12, 1), s(12, 0)
+    print(f"training step, peak RSS growth: batch 4 / 12 at micro-batch 1, 12 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
     assert big - small < 0.25 * (whole - small)

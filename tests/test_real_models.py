@@ -278,6 +278,40 @@ def test_chunked_logits_select_rows_as_a_tensor_does():
     assert not frozen.grad and frozen.weight.data_ptr() != head.weight.data_ptr()
 
 
+
+@pytest.mark.parametrize("loss", ["distill", "topk", "composer", "logp"])
+def test_the_head_on_agent_positions_only_gives_the_same_loss_and_gradient(loss):
+    """With Logits, the losses run the head only on the agent positions they read (per_position's where):
+    the same value and gradient, to the hidden states (the student's, or the teacher's in the composer's loss)
+    and to the head, as whole (B, T, V) logits; the
+    positions not read get no gradient and read 0."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 30, bias=True)
+    h_s, h_t = torch.randn(3, 7, 8, requires_grad=True), torch.randn(3, 7, 8, requires_grad=True)   # composer: to h_t
+    mask = (torch.rand(3, 7) < 0.5).float()
+    y, reward = torch.randint(0, 30, (3, 7)), torch.tensor([1.0, 0.0, 0.5])
+    z = torch.randn(4, 8, requires_grad=True)
+    fns = {"distill": lambda s, t: lopd.distill_loss(s, t, mask),
+           "topk": lambda s, t: lopd.distill_loss(s, t, mask, "fkl", topk=5),
+           "composer": lambda s, t: lopd.composer_loss(s, t, y, mask, reward, 0.3, 0.05, 0.2, z, z.detach() + 1)[0],
+           "logp": lambda s, t: lopd.masked_mean(lopd.token_logp(s, y, mask) - lopd.token_logp(t, y, mask), mask)}
+    out = []
+    for lazy in (True, False):
+        head.zero_grad()
+        h_s.grad = h_t.grad = None
+        as_logits = (lambda h: lopd.Logits(h, head.weight, head.bias, chunk=4)) if lazy else head
+        value = fns[loss](as_logits(h_s), as_logits(h_t))
+        value.backward()
+        grad = lambda x: torch.zeros_like(x) if x.grad is None else x.grad.clone()
+        out.append((value.detach(), grad(h_s) + grad(h_t), head.weight.grad.clone()))
+    for a, b in zip(*out):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert out[0][1].abs().sum() > 0 and torch.all(out[0][1][mask == 0] == 0)
+    d = lopd.divergence(lopd.Logits(h_s, head.weight, head.bias, chunk=4), lopd.Logits(h_t, head.weight, head.bias, chunk=4),
+                        where=mask)
+    assert torch.all(d[mask == 0] == 0) and torch.all(d[mask == 1] > 0)
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 def test_no_kernels_are_fetched_from_the_hub(hf):
@@ -418,8 +452,8 @@ def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method, monkeypat
     budget = 12 + (4 if method == "lopd" else 0)              # 3 steps of 4 (and LOPD's bank filling)
     train_py([*run, "--episodes", str(budget), "--name", "whole"], tmp_path)
     chunks, logits_on = [], M.logits_on
-    monkeypatch.setattr(M, "logits_on", lambda model, pre, ids, attn, chunk=0: chunks.append(chunk) or
-                        logits_on(model, pre, ids, attn, chunk))
+    monkeypatch.setattr(M, "logits_on", lambda model, pre, ids, attn, chunk=0, rows=0: chunks.append(chunk) or
+                        logits_on(model, pre, ids, attn, chunk, rows))
     in_process([*run, "--episodes", str(budget - 8), "--name", "split"], tmp_path)
     assert chunks and set(chunks) == {256}, chunks
     monkeypatch.undo()
