@@ -14,8 +14,8 @@ LOPD's cold start (fill the bank, counted toward the episode budget; pre-train �
 
 The math is lopd.py, the bank and the composer's reading retrieval.py, the model's scoring
 model.py. The baselines (plugins/) take `train_step`, a generic step of the same shape:
-rollout -> their teacher's context -> teacher phase -> student phase on their loss. Checkpoints,
-caches, devices and the command line are plumbing/.
+rollout -> their teacher's context -> teacher phase -> student phase on their loss. Building a run,
+checkpoints, caches, devices and the command line are plumbing/.
 """
 import copy
 import dataclasses
@@ -36,8 +36,8 @@ import model as M
 import retrieval
 import warmup
 from plumbing import bookkeeping as bk
-from plumbing import config, parallel
-from plumbing.bookkeeping import arg, die
+from plumbing import assemble, config, parallel
+from plumbing.bookkeeping import arg
 from plumbing.registry import DISTILL_FLAGS, METHODS, Batch, Method, Teacher, distill, embed_context, register, with_default
 
 CODE = bk.CODE
@@ -409,48 +409,9 @@ EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
 # ----------------------------------------------------------------------------- main
 
 def build(args):
-    """The run: model, warm-up, teacher, optimizer, the method's state; resumed, or evaluated
-    at the base and set up (the first checkpoint)."""
-    method = METHODS[args.method]
-    run = bk.Run(args, method, bk.code_of(method))
-    run.env = envs.make_env(args.env)
-    try:
-        run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
-    except ValueError as e:  # a chat template that is not one layout
-        die(f'--model {args.model}: {e}')
-    if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
-        run.model = M.with_lora(run.model, run.tok, args.lora_r)
-    run.model.to(run.device).eval()                                             # train mode only in θ's steps
-    if args.grad_ckpt:  # the warm-up's backward holds a batch's activations too
-        M.checkpoint_activations(run.model)
-    with run.timer('warmup'), parallel.rank0_first():
-        wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
-    torch.manual_seed(args.seed)
-    if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
-        run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
-    if args.grad_ckpt:
-        M.checkpoint_activations(run.model)
-    run.teacher = make_teacher(run.model, run.teacher_kind)
-    run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=args.lr or method.lr,
-                                weight_decay=0.0)
-    run.state = method.state(run)
-    if args.resume:
-        bk.load_checkpoint(run, args.resume)
-        print(f'resumed at step {run.step}, {run.episodes} episodes')
-        return run
-    if parallel.writer():
-        open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
-    bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
-    with run.autocast():
-        m = evaluate(run)
-        print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
-              (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
-        if method.setup:
-            with parallel.rank0_first():
-                bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
-        run.setup_episodes = run.episodes
-    bk.save_checkpoint(run)  # a run killed from here on can be resumed
-    return run
+    """The run: model, warm-up, teacher, optimizer, the method's state (plumbing/build.py); resumed, or
+    evaluated at the base and set up (the first checkpoint)."""
+    return assemble.build(args, rollout, evaluate)
 
 
 def load_run(run_dir):
@@ -458,20 +419,6 @@ def load_run(run_dir):
     teacher, optimizer, the method's state, every RNG. For notebooks and scripts: it writes
     nothing, and a `train_step(run)` on it is the step the run would take next."""
     return build(parse_args(['--resume', run_dir]))
-
-
-def make_teacher(model, kind):
-    """The teacher's weights: θ0 frozen, an EMA of θ, θ itself (live), or none. With LoRA, θ0 is the
-    same model with the adapter off and the EMA teacher a second adapter: no copy of the model."""
-    if kind in ('live', 'none'):
-        return model if kind == 'live' else None
-    if M.is_lora(model):
-        return M.Adapter(model) if kind == 'frozen' else M.add_ema(model)
-    return frozen_copy(model)
-
-
-def frozen_copy(model):
-    return copy.deepcopy(model).eval().requires_grad_(False)                    # θ0
 
 
 def main(argv=None):

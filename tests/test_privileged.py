@@ -18,6 +18,7 @@ import model as M  # noqa: E402
 import tokenizer  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
+from plumbing import assemble  # noqa: E402
 import warmup  # noqa: E402
 from plumbing import registry  # noqa: E402
 
@@ -153,7 +154,7 @@ def test_centered_margin_by_hand():
 def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, tok):
     torch.manual_seed(0)
     model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
-    teacher = train.frozen_copy(model)
+    teacher = assemble.frozen_copy(model)
     run = lopd_run(tok, teacher, reader="trained")
     run.model = model
     tasks = env.train_tasks[:4]

@@ -32,6 +32,7 @@ import model as M  # noqa: E402
 import tokenizer  # noqa: E402
 import tiny_hf  # noqa: E402
 import train  # noqa: E402
+from plumbing import assemble  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -224,7 +225,7 @@ def test_chunked_scoring_reads_a_tied_head_with_trained_special_rows(hf):
     ids = torch.tensor([[tok.obs, 70, tok.agent, 71, tok.eot, tok.ctx, tok.agent, tok.eot]])
     attn = torch.ones_like(ids)
     out = {}
-    for who, m in [("theta", model), ("theta0", train.make_teacher(model, "frozen"))]:
+    for who, m in [("theta", model), ("theta0", assemble.make_teacher(model, "frozen"))]:
         for chunk in (0, 3):
             model.zero_grad()
             lp = lopd.token_logp(M.logits_on(m, M.bos_prefix(m, tok, 1), ids, attn, chunk=chunk), ids)
@@ -328,7 +329,7 @@ def test_lora_teachers_share_the_base_weights(hf):
     tok, base = M.load(hf("llama"))
     ref = copy.deepcopy(base)
     model = M.with_lora(base, tok, 4)
-    theta0, ema = train.make_teacher(model, "frozen"), train.make_teacher(model, "ema")
+    theta0, ema = assemble.make_teacher(model, "frozen"), assemble.make_teacher(model, "ema")
     ids = torch.randint(0, tok.vocab_size, (2, 9))
     logits = lambda m: m(input_ids=ids).logits
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -372,7 +373,7 @@ def test_theta0_stays_frozen_without_a_template_while_the_student_trains_its_spe
     its embedding of a context, its scores of a batch, and its decoding unchanged after student steps."""
     tok, base = M.load(hf("llama", chat=False))
     model = M.with_lora(base, tok, 4)
-    theta0 = train.make_teacher(model, "frozen")
+    theta0 = assemble.make_teacher(model, "frozen")
     torch.manual_seed(0)
     ids = torch.tensor([[tok.obs, 70, 71, tok.agent, 72, tok.eot, tok.obs, 73, tok.agent]] * 2)
     attn = torch.ones_like(ids)

@@ -17,6 +17,7 @@ import lopd  # noqa: E402
 import model as M  # noqa: E402
 from plugins import variants  # noqa: E402
 import train  # noqa: E402
+from plumbing import assemble  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 from plugins import baselines  # noqa: E402
 from plumbing import registry  # noqa: E402
@@ -125,7 +126,7 @@ def acsd_run(layer, scale=1.0, rate=0.1):
     """A fake run around an untrained 2-layer tiny Llama (θ) and its frozen copy (the teacher)."""
     torch.manual_seed(0)
     model = M.tiny_llama(40, d_model=16, n_layer=2, n_head=2)
-    run = types.SimpleNamespace(model=model, teacher=train.frozen_copy(model), device="cpu", tok=types.SimpleNamespace(bos=1, head=lambda: [1]),
+    run = types.SimpleNamespace(model=model, teacher=assemble.frozen_copy(model), device="cpu", tok=types.SimpleNamespace(bos=1, head=lambda: [1]),
                                 args=types.SimpleNamespace(steer_layer=layer, steer_scale=scale, steer_rate=rate,
                                                             score_chunk=0))
     run.state = variants.acsd_state(run)

@@ -1,0 +1,75 @@
+"""Building a run from its config: the model and its warm-up, θ0 and θ, the teacher, θ's optimizer,
+the method's state; resumed from a checkpoint, or evaluated at the base and set up. train.build
+calls it with train's own rollout and evaluation."""
+import copy
+import dataclasses
+import os
+
+import torch
+
+import envs
+import model as M
+import warmup
+from plumbing import bookkeeping as bk
+from plumbing import parallel
+from plumbing.bookkeeping import die
+from plumbing.registry import METHODS
+
+
+def build(args, rollout, evaluate):
+    """The run: model, warm-up, teacher, optimizer, the method's state; resumed, or evaluated
+    at the base (`evaluate`) and set up (the method's setup plays with `rollout`; the first checkpoint)."""
+    method = METHODS[args.method]
+    run = bk.Run(args, method, bk.code_of(method))
+    run.env = envs.make_env(args.env)
+    try:
+        run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
+    except ValueError as e:  # a chat template that is not one layout
+        die(f'--model {args.model}: {e}')
+    if args.model and args.lora_r:  # a real model's warm-up trains an adapter too, folded into θ0 below
+        run.model = M.with_lora(run.model, run.tok, args.lora_r)
+    run.model.to(run.device).eval()                                             # train mode only in θ's steps
+    if args.grad_ckpt:  # the warm-up's backward holds a batch's activations too
+        M.checkpoint_activations(run.model)
+    with run.timer('warmup'), parallel.rank0_first():
+        wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
+    torch.manual_seed(args.seed)
+    if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
+        run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
+    if args.grad_ckpt:
+        M.checkpoint_activations(run.model)
+    run.teacher = make_teacher(run.model, run.teacher_kind)
+    run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=args.lr or method.lr,
+                                weight_decay=0.0)
+    run.state = method.state(run)
+    if args.resume:
+        bk.load_checkpoint(run, args.resume)
+        print(f'resumed at step {run.step}, {run.episodes} episodes')
+        return run
+    if parallel.writer():
+        open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
+    bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
+    with run.autocast():
+        m = evaluate(run)
+        print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
+              (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
+        if method.setup:
+            with parallel.rank0_first():
+                bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
+        run.setup_episodes = run.episodes
+    bk.save_checkpoint(run)  # a run killed from here on can be resumed
+    return run
+
+
+def make_teacher(model, kind):
+    """The teacher's weights: θ0 frozen, an EMA of θ, θ itself (live), or none. With LoRA, θ0 is the
+    same model with the adapter off and the EMA teacher a second adapter: no copy of the model."""
+    if kind in ('live', 'none'):
+        return model if kind == 'live' else None
+    if M.is_lora(model):
+        return M.Adapter(model) if kind == 'frozen' else M.add_ema(model)
+    return frozen_copy(model)
+
+
+def frozen_copy(model):
+    return copy.deepcopy(model).eval().requires_grad_(False)                    # θ0
