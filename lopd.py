@@ -93,6 +93,11 @@ def entropy(logits):
     return -_kl(logp, torch.zeros_like(logp))                                  # Σ π (log π − 0), 0·log 0 = 0
 
 
+def mean_entropy(logits, mask):
+    """H(π) averaged over the masked (agent) positions, the head run only there (a logged diagnostic)."""
+    return masked_mean(per_position(entropy, logits, where=mask), mask)
+
+
 def _with_tail(topk_logp):
     """Append the tail bucket log(1 − Σ_topk p). (…, k) -> (…, k+1).
 

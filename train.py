@@ -154,6 +154,12 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
 
 
 
+def logits_of(run, model, prefixes, ids, attn):
+    """Steps 4-5's scoring: every prefix of the batch, behind each row's context (model.logits_on), the
+    LM head in the run's --score_chunk positions and the body in its --micro_batch rows at a time."""
+    return M.logits_on(model, prefixes, ids, attn, run.args.score_chunk, run.args.micro_batch)
+
+
 # ----------------------------------------------------------------------------- LOPD (Algorithm 1)
 
 def lopd_step(run):
@@ -197,10 +203,10 @@ def lopd_step(run):
         #    with φ's graph kept for step 6 (with LoRA, θ's step changes tensors that graph would hold:
         #    step 6 scores again instead)
         with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):
-            logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk, a.micro_batch)  # (B, T, V)
+            logits_t = logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)  # (B, T, V)
     with run.timer('student'), M.train_mode(run.model):
         # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t))
-        score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn, a.score_chunk, a.micro_batch)
+        score = lambda: logits_of(run, run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn)
         distill_mask = amask * keep[:, None].to(amask)                          # (B, T)
         logits_s = score()                                                      # (B, T, V)
         loss_distill = lopd.distill_loss(logits_s, logits_t, distill_mask, a.divergence or 'rkl', a.topk)
@@ -210,7 +216,7 @@ def lopd_step(run):
             bk.optimizer_step(run, run.opt, lopd.distill_loss(score(), logits_t, distill_mask, a.divergence or 'rkl', a.topk),
                               run.model)
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
-        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s, where=amask), amask).item()
+        entropy = lopd.mean_entropy(logits_s, amask).item()
     logs = {'loss': loss_distill.item(), 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             'family_hit': retrieval.family_hit(run, eps, found)}
     if train_phi:
@@ -220,7 +226,7 @@ def lopd_step(run):
             #    then the dual step β ← max(0, β + η_β(m − Δ))
             k = keep
             if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: θ's step changed tensors that graph holds
-                logits_t = M.logits_on(run.teacher, with_default(run, prefixes), ids, attn, a.score_chunk, a.micro_batch)
+                logits_t = logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)
             loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
                                                          a.margin, a.lam, z, z0, centered=a.advantage == 'centered',
                                                          relative=a.anchor == 'relative')
@@ -321,16 +327,14 @@ def teacher_phase(run, b):
         ctx = embed_context(run, run.method.context(run, b.eps))
     keep = torch.tensor([p is not None for p in ctx], device=run.device)        # (B,) no context: no teacher
     with torch.set_grad_enabled(any(p is not None and p.requires_grad for p in ctx)):   # else no graph to keep
-        return Teacher(M.logits_on(run.teacher, with_default(run, ctx), b.ids, b.attn, run.args.score_chunk, run.args.micro_batch),
-                       keep, ctx)
+        return Teacher(logits_of(run, run.teacher, with_default(run, ctx), b.ids, b.attn), keep, ctx)
 
 
 def student_phase(run, b, teacher):
     """Step 5: one step of θ on the method's loss (--epochs steps for a distillation method, on the
     same rollouts and teacher scores); the student scores every prefix in one forward.
     -> the student's logits before the first step (detached, for an after-step hook) and its loss."""
-    score = lambda: M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk,
-                                run.args.micro_batch)
+    score = lambda: logits_of(run, run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn)
     logits_s = score()                                                          # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
@@ -358,7 +362,7 @@ def train_step(run):
     with run.timer('student'), M.train_mode(run.model):
         logits_s, loss = student_phase(run, b, teacher)
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
-        entropy = lopd.masked_mean(lopd.per_position(lopd.entropy, logits_s, where=b.amask), b.amask).item()
+        entropy = lopd.mean_entropy(logits_s, b.amask).item()
     logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             **m.after_step(run, b, logits_s, teacher)}
     for k, v in logs.items():
