@@ -5,7 +5,8 @@
   micro-batches (logits_on's rows, the body recomputed one piece at a time in the backward) gives
   the same loss and gradient, and a whole training step (LOPD's with its composer phase, SDPO's,
   GRPO's) the same update;
-- measured as ratios in one run, each phase in a process of its own (peak RSS over the phase, VmHWM), on a tiny model with
+- measured as ratios in one run, each phase in a process of its own (peak RSS over the phase, VmHWM; its configurations in turn,
+  after an unmeasured first pass that allocates what persists: gradients, Adam's moments), on a tiny model with
   Qwen3's vocabulary (V = 151,936): a warm-up step, an evaluation and a training step's teacher and
   student phases grow by (almost) nothing when their batch triples at a fixed micro-batch, and by
   far more without one (which is what shows the measurement can see the difference)."""
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -142,7 +144,7 @@ sys.path[:0] = [os.environ['ROOT']]
 import torch
 torch.set_num_threads(1)
 import envs, train, warmup
-phase, folder, out, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+phase, folder, out, argv, configs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:-1], json.loads(sys.argv[-1])
 args = train.parse_args(['--model', folder, '--out_dir', out, '--lora_r', '0'] + argv)
 
 def peak():  # the peak resident memory since the last reset (Linux: VmHWM), MiB
@@ -153,15 +155,16 @@ def reset():
         f.write('5')
     return peak()
 
+grew = []
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     if phase == 'warmup':
         env = envs.make_env(args.env)
         tok, model = warmup.load_model(args, env)
-        before = reset()
-        warmup.warmup(args, tok, model, env, 'cpu')
+        once = lambda: warmup.warmup(args, tok, model, env, 'cpu')
     else:  # the evaluation, or one training step, once the run is built (evaluated on one task, so that it costs little)
-        n, args.eval_tasks = args.eval_tasks, 1
+        args.eval_tasks = 1
         run = train.build(args)
+        args = run.args
         if phase == 'step':  # the teacher and student phases on episodes of 1,024 tokens, every 16th the agent's, each
             def fixed(model, tok, env, tasks, **kw):  # feedback for SDPO's teacher (the rollout's memory is the evaluation's)
                 g, T = torch.Generator().manual_seed(0), 1024
@@ -169,13 +172,18 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
                 return eps, [torch.randint(0, 1000, (T,), generator=g).tolist() for _ in tasks], [[int(k % 16 == 0) for k in range(T)]
                                                                                                  for _ in tasks]
             train.rollout = fixed
-        run.args.eval_tasks = n
+        once = (lambda: train.evaluate(run)) if phase == 'eval' else (lambda: (run.method.step or train.train_step)(run))
+    # each configuration in turn in one process: a first, unmeasured pass allocates what persists (gradients,
+    # Adam's moments), so each measured one counts what its phase holds while it runs. Not for the warm-up: its
+    # first pass leaves its heap resident for the next, so it runs one configuration per process, from the load
+    warm = [configs[0]] if phase != 'warmup' else []
+    for i, config in enumerate(warm + configs, start=1 - len(warm)):
+        for k, v in config.items():
+            setattr(args, k, v)
         before = reset()
-        if phase == 'eval':
-            train.evaluate(run)
-        else:
-            (run.method.step or train.train_step)(run)
-print(json.dumps(peak() - before))
+        once()
+        grew.append(peak() - before) if i > 0 else None
+print(json.dumps(grew))
 """
 
 
@@ -190,10 +198,11 @@ def big_vocab(tmp_path_factory):
     return str(folder)
 
 
-def grew(phase, folder, tmp_path, *argv):
-    """MiB the peak resident memory grew by over the phase, in a fresh process."""
-    out = tmp_path / "-".join([phase, *argv]).replace("--", "")
-    r = subprocess.run([sys.executable, "-c", PROBE, phase, folder, str(out), *argv], capture_output=True, text=True,
+def grew(phase, folder, tmp_path, argv, configs):
+    """MiB the peak resident memory grew by over the phase, in each configuration (a dict of flags), in one
+    fresh process."""
+    r = subprocess.run([sys.executable, "-c", PROBE, phase, folder, tempfile.mkdtemp(dir=tmp_path), *argv, json.dumps(configs)],
+                       capture_output=True, text=True,
                        timeout=600, env={**os.environ, "ROOT": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                             # glibc otherwise raises its mmap threshold after the first big free and keeps later
                             # tensors' freed memory resident: the peak would count what is no longer alive
@@ -203,25 +212,27 @@ def grew(phase, folder, tmp_path, *argv):
 
 
 def test_a_warm_up_step_grows_with_the_micro_batch_not_the_batch(big_vocab, tmp_path):
-    w = lambda batch, micro: grew("warmup", big_vocab, tmp_path, "--warmup_steps", "1", "--warmup_batch", str(batch),
-                                  "--micro_batch", str(micro))
+    # a process each, measured from the model's load (loading is cheap): in one process each warm-up reuses the
+    # heap an earlier one left resident (measured: 149 / 447 / 149 MiB); the run-building probes below share one
+    w = lambda batch, micro: grew("warmup", big_vocab, tmp_path, ["--warmup_steps", "1"],
+                                  [dict(warmup_batch=batch, micro_batch=micro)])[0]
     small, big, whole = w(4, 1), w(12, 1), w(12, 0)
     print(f"warm-up step, peak RSS growth: batch 4 / 12 at micro-batch 1, 12 whole: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
     assert big - small < 0.25 * (whole - small)
 
 
 def test_an_evaluation_grows_with_the_micro_batch_not_the_tasks(big_vocab, tmp_path):
-    e = lambda tasks, micro: grew("eval", big_vocab, tmp_path, "--method", "grpo", "--warmup_steps", "0", "--eval_samples", "0",
-                                  "--eval_tasks", str(tasks), "--micro_batch", str(micro))
-    small, big, whole = e(3, 1), e(9, 1), e(9, 0)
+    small, big, whole = grew("eval", big_vocab, tmp_path, ["--method", "grpo", "--warmup_steps", "0", "--eval_samples", "0"],
+                             [dict(eval_tasks=3, micro_batch=1), dict(eval_tasks=9, micro_batch=1),
+                              dict(eval_tasks=9, micro_batch=0)])
     print(f"evaluation, peak RSS growth: 3 / 9 tasks at micro-batch 1, 9 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
     assert big - small < 0.25 * (whole - small)
 
 
 def test_a_training_step_grows_with_the_micro_batch_not_the_batch(big_vocab, tmp_path):
     """Rollout, teacher and student phases (SDPO: a teacher that scores every token, a student that backpropagates)."""
-    s = lambda batch, micro: grew("step", big_vocab, tmp_path, "--method", "sdpo", "--warmup_steps", "0", "--eval_samples", "0",
-                                  "--batch", str(batch), "--micro_batch", str(micro), "--seed", "1", "--score_chunk", "64")
-    small, big, whole = s(4, 1), s(12, 1), s(12, 0)
+    small, big, whole = grew("step", big_vocab, tmp_path, ["--method", "sdpo", "--warmup_steps", "0", "--eval_samples", "0",
+                                                           "--seed", "1", "--score_chunk", "64"],
+                             [dict(batch=4, micro_batch=1), dict(batch=12, micro_batch=1), dict(batch=12, micro_batch=0)])
     print(f"training step, peak RSS growth: batch 4 / 12 at micro-batch 1, 12 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
     assert big - small < 0.25 * (whole - small)
