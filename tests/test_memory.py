@@ -173,10 +173,10 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
                                                                                                  for _ in tasks]
             train.rollout = fixed
         once = (lambda: train.evaluate(run)) if phase == 'eval' else (lambda: (run.method.step or train.train_step)(run))
-    # each configuration in turn in one process: a first, unmeasured pass allocates what persists (gradients,
-    # Adam's moments), so each measured one counts what its phase holds while it runs. Not for the warm-up: its
-    # first pass leaves its heap resident for the next, so it runs one configuration per process, from the load
-    warm = [configs[0]] if phase != 'warmup' else []
+    # each configuration in turn in one process; a training step's first, unmeasured pass allocates what persists
+    # (gradients, Adam's moments), so each measured one counts what its phase holds while it runs. The warm-up
+    # leaves its heap resident for the next one, so it runs one configuration per process, from the load
+    warm = [configs[0]] if phase == 'step' else []
     for i, config in enumerate(warm + configs, start=1 - len(warm)):
         for k, v in config.items():
             setattr(args, k, v)
@@ -223,9 +223,9 @@ def test_a_warm_up_step_grows_with_the_micro_batch_not_the_batch(big_vocab, tmp_
 
 def test_an_evaluation_grows_with_the_micro_batch_not_the_tasks(big_vocab, tmp_path):
     small, big, whole = grew("eval", big_vocab, tmp_path, ["--method", "grpo", "--warmup_steps", "0", "--eval_samples", "0"],
-                             [dict(eval_tasks=3, micro_batch=1), dict(eval_tasks=9, micro_batch=1),
-                              dict(eval_tasks=9, micro_batch=0)])
-    print(f"evaluation, peak RSS growth: 3 / 9 tasks at micro-batch 1, 9 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
+                             [dict(eval_tasks=2, micro_batch=1), dict(eval_tasks=6, micro_batch=1),
+                              dict(eval_tasks=6, micro_batch=0)])
+    print(f"evaluation, peak RSS growth: 2 / 6 tasks at micro-batch 1, 6 at once: {small:.0f} / {big:.0f} / {whole:.0f} MiB")
     assert big - small < 0.25 * (whole - small)
 
 
