@@ -5,8 +5,9 @@
   micro-batches (logits_on's rows, the body recomputed one piece at a time in the backward) gives
   the same loss and gradient, and a whole training step (LOPD's with its composer phase, SDPO's,
   GRPO's) the same update;
-- measured as ratios in one run, each phase in a process of its own (peak RSS over the phase, VmHWM; its configurations in turn,
-  after an unmeasured first pass that allocates what persists: gradients, Adam's moments), on a tiny model with
+- measured as ratios in one run (peak RSS over the phase, VmHWM): the warm-up in a process per configuration,
+  the evaluation and the training step in one process each, their configurations in turn (the step's after an
+  unmeasured first one that allocates what persists: gradients, Adam's moments), on a tiny model with
   Qwen3's vocabulary (V = 151,936): a warm-up step, an evaluation and a training step's teacher and
   student phases grow by (almost) nothing when their batch triples at a fixed micro-batch, and by
   far more without one (which is what shows the measurement can see the difference). Opt-in:
@@ -183,7 +184,8 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
             setattr(args, k, v)
         before = reset()
         once()
-        grew.append(peak() - before) if i > 0 else None
+        if i > 0:
+            grew.append(peak() - before)
 print(json.dumps(grew))
 """
 
