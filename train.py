@@ -413,8 +413,8 @@ EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
 # ----------------------------------------------------------------------------- main
 
 def build(args):
-    """The run: model, warm-up, teacher, optimizer, the method's state (plumbing/build.py); resumed, or
-    evaluated at the base and set up (the first checkpoint)."""
+    """The run: model, warm-up, teacher, optimizer, the method's state (plumbing/assemble.py); resumed, or
+    set up and evaluated at the base (the first checkpoint)."""
     return assemble.build(args, rollout, evaluate)
 
 

@@ -1,5 +1,5 @@
 """Building a run from its config: the model and its warm-up, θ0 and θ, the teacher, θ's optimizer,
-the method's state; resumed from a checkpoint, or evaluated at the base and set up. train.build
+the method's state; resumed from a checkpoint, or set up and evaluated at the base. train.build
 calls it with train's own rollout and evaluation."""
 import copy
 import dataclasses
@@ -17,8 +17,8 @@ from plumbing.registry import METHODS
 
 
 def build(args, rollout, evaluate):
-    """The run: model, warm-up, teacher, optimizer, the method's state; resumed, or evaluated
-    at the base (`evaluate`) and set up (the method's setup plays with `rollout`; the first checkpoint)."""
+    """The run: model, warm-up, teacher, optimizer, the method's state; resumed, or set up (the
+    method's setup plays with `rollout`) and evaluated at the base (`evaluate`; the first checkpoint)."""
     method = METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
     run.env = envs.make_env(args.env)
@@ -50,13 +50,15 @@ def build(args, rollout, evaluate):
         open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
     bk.atomic_json({**dataclasses.asdict(args), 'code': run.code}, os.path.join(run.dir, 'config.json'))
     with run.autocast():
-        m = evaluate(run)
-        print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
-              (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
         if method.setup:
             with parallel.rank0_first():
                 bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
         run.setup_episodes = run.episodes
+        # the base, after the setup: a setup fills a bank or a pool or trains φ, never θ, so the student is
+        # still the base; the teacher reads the context the setup built (before it, it had none: the student)
+        m = evaluate(run)
+        print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
+              (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
     return run
 

@@ -214,6 +214,9 @@ def test_smoke_run_writes_the_run_folder(smoke, method):
         assert "warm-up: cached" in out  # every method starts from the same cached base
     if method in ("lopd", "opsd"):
         assert "teacher_reward" in metrics[-1] and "teacher_success" in metrics[-1]  # --teacher_eval 8
+        # the base is evaluated after the setup, so its teacher reads the context the setup built (a bank, a pool)
+        assert out.index("setup: ") < out.index("base model: ") and "teacher_reward" in metrics[0]
+        assert metrics[0]["episodes"] == summary["setup_episodes"] > 0 and metrics[0]["training_episodes"] == 0
     if method == "lopd":
         assert {"bank", "composer", "composer0", "opt_phi", "beta"} <= set(ckpt["state"])
 

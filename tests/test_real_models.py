@@ -505,7 +505,7 @@ def test_torchrun_matches_one_process_and_keeps_the_ranks_in_step(base_in, tmp_p
     in_process([*run, "--episodes", "48", "--name", "one"], out)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert one[0] == two[0]
-    assert [m["episodes"] for m in one] == [0, 48] and [m["episodes"] for m in two] == [0, 48, 80]
+    assert [m["episodes"] for m in one] == [16, 48] and [m["episodes"] for m in two] == [16, 48, 80]  # the base after the bank of 16
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
 
 
