@@ -99,6 +99,7 @@ class Args:
     warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
                              'measured)', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
+    warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
                             '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
                             group=MODEL)
@@ -402,6 +403,7 @@ def evaluate(run):
             teps = parallel.shared(run, lambda ix: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in ix], greedy=True,
                                                            prefixes=[prefixes[i] for i in ix], rows=rows)[0], list(range(len(tasks))))
             out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
+            out['task_teacher_reward'] = [round(e.reward, 4) for e in teps]
             out['teacher_success'] = float(np.mean([e.success for e in teps]))
     return bk.log_eval(run, out)
 

@@ -56,7 +56,7 @@ def skill_text(records):
     return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
 
 
-def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
+def warmup_demo(env, task, by_family, rng, p_ctx=0.0, form=None):
     """One warm-up demo -> (episode, privileged context text or None).
 
     Without a context (probability 1 − p_ctx): the noisy expert. With one, the demo teaches
@@ -68,11 +68,12 @@ def warmup_demo(env, task, by_family, rng, p_ctx=0.0):
     followed by a demo that uses it — or only other families' trajectories, followed by the
     noisy expert (an unhelpful context is to be ignored). On opaque families the plan shown
     and followed is one random plan per demo, never the family's true plan, so that reading
-    is learned but no opaque plan is: those stay learnable only from experience."""
+    is learned but no opaque plan is: those stay learnable only from experience. form: this one
+    (the reading probe's), not a draw."""
     u = rng.random()
     if u >= p_ctx:
         return envs.play(env, task, env.demo(task, rng, noisy=True)), None
-    form = rng.choices(list(CONTEXT_FORMS), weights=list(CONTEXT_FORMS.values()))[0]
+    form = form or rng.choices(list(CONTEXT_FORMS), weights=list(CONTEXT_FORMS.values()))[0]
     kw = env.reading_plan(task, rng)
     follow = lambda t: envs.play(env, t, env.demo(t, rng, **kw))               # the plan this demo teaches
     pair = lambda ep: (ep.task.prompt, env.trajectory_text(ep))
@@ -155,27 +156,69 @@ def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=
     return total if backward else total / n
 
 
+PROBE_EVERY = 100   # warm-up steps between two readings of the probe (0 = none: the same base, untimed)
+PROBE_FORMS = ('past', 'solution')   # LOPD's (its latents start as a past experience's embeddings) and OPSD's
+
+
+def probe_demos(env, n=32):
+    """The reading probe's demos: n per form of PROBE_FORMS, each after its context, from warm-up tasks drawn by a
+    generator of their own (the warm-up's draws are untouched). -> {form: (demos, contexts)}."""
+    rng, (pool, by_family) = random.Random(777), warmup_pool(env)
+    return {f: tuple(zip(*[warmup_demo(env, rng.choice(pool), by_family, rng, 1.0, form=f) for _ in range(n)]))
+            for f in PROBE_FORMS}
+
+
+@torch.no_grad()
+def reading(model, tok, probe, device):
+    """Does the base read a context? Per form, the drop of the teacher-forced NLL of the probe's demos (nats per
+    agent token) when their context is shown: 0 for a base that ignores it. Under fork_rng, so that probing
+    leaves the base (and every draw after it) as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return {f: round(float(warmup_loss(model, tok, demos, [None] * len(demos), device) -
+                               warmup_loss(model, tok, demos, contexts, device)), 4) for f, (demos, contexts) in probe.items()}
+
+
+RECIPE = {'hold': 0.0, 'ctx_early': (0.0, 0.6)}   # screening knobs (temporary)
+
+
+def lr_factor(step, steps):
+    """The warm-up's learning rate, as a fraction of --warmup_lr: held at its peak for RECIPE's hold, then cosine to 10%."""
+    h = RECIPE['hold'] * steps
+    return 1.0 if step < h else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - h) / max(steps - h, 1)))
+
+
+def cpu_kernels():
+    """The CPU's kernel set torch runs (AVX2, AVX512, ...): a base built under another is another draw."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
-    key = json.dumps(['v8', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, tok.digest(), CONTEXT_FORMS, tokenizer.SPECIALS,
-                      tokenizer.MAX_OBS_CHARS] + ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
+    key = json.dumps(['v9', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
+                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tok.digest(), CONTEXT_FORMS,
+                      tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] + ([RECIPE] if RECIPE != {'hold': 0.0, 'ctx_early': (0.0, 0.6)} else []) +
+                     ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
-        # the base is the same for every run seed (one base, many methods) and wherever it is built
-        # with this torch: a fixed thread count, since sums split over threads round differently
-        # (1 and 2 threads gave two different bases); 2, so that a 2-core machine builds it at full speed
-        rng, threads = random.Random(1234), torch.get_num_threads()
-        torch.manual_seed(1234)
+        # the base is the same for every run seed (one base, many methods) and wherever the same torch builds it
+        # with the same CPU kernels (other kernels round otherwise: another base, cpu_kernels in the key); a fixed
+        # thread count, since sums split over threads round differently (1 and 2 threads gave two different
+        # bases); 2, so that a 2-core machine builds it at full speed
+        rng, threads = random.Random(args.warmup_seed), torch.get_num_threads()
+        torch.manual_seed(args.warmup_seed)
         torch.set_num_threads(WARMUP_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
+        probe, curve = probe_demos(env) if PROBE_EVERY and not args.model else None, []
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
         for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
-            for g in opt.param_groups:  # cosine decay to 10%
-                g['lr'] = args.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.warmup_steps)))
-            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, args.warmup_ctx)
+            if probe and step % PROBE_EVERY == 0:
+                curve.append({'step': step, **reading(model, tok, probe, device)})
+            for g in opt.param_groups:
+                g['lr'] = args.warmup_lr * lr_factor(step, args.warmup_steps)
+            p_ctx = RECIPE['ctx_early'][1] if step < RECIPE['ctx_early'][0] * args.warmup_steps else args.warmup_ctx
+            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, p_ctx)
                                     for t in rng.sample(pool, args.warmup_batch)])
             opt.zero_grad(set_to_none=True)
             with M.train_mode(model):
@@ -185,9 +228,13 @@ def warmup(args, tok, model, env, device):
                     loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            bar.set_postfix(loss=f'{loss.item():.3f}')
+            bar.set_postfix(loss=f'{loss.item():.3f}', **({'read': curve[-1][PROBE_FORMS[0]]} if curve else {}))
+        if probe:
+            curve.append({'step': args.warmup_steps, **reading(model, tok, probe, device)})
+            print(f'warm-up: the base reads a context: NLL drop per token ' +
+                  ', '.join(f'{f} {curve[-1][f]:+.3f}' for f in PROBE_FORMS))
         torch.set_num_threads(threads)
-        return {'model': M.trainable_state(model), 'key': key}  # with LoRA, only the adapter
+        return {'model': M.trainable_state(model), 'key': key, 'reading': curve}  # with LoRA, only the adapter
 
     def apply(saved):
         if saved['key'] != key:
@@ -197,11 +244,18 @@ def warmup(args, tok, model, env, device):
     return path, bk.cached(path, 'warm-up', build, apply, device)
 
 
+def base_info(path):
+    """What summary.json and the bench record of a base: its draw, the torch and CPU kernels that built it,
+    and its reading curve (the probe's NLL drops over the warm-up)."""
+    saved = torch.load(path, map_location='cpu', weights_only=False)
+    return {'torch': torch.__version__, 'cpu_kernels': cpu_kernels(), 'reading': saved.get('reading', [])}
+
+
 def load_model(args, env, dtype=torch.float32):
     """The tokenizer and the model before the warm-up, as every run (and test, and notebook) builds
     them: the BPE tokenizer learned from this environment's text (or bytes, or --model's own), and
     the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
-    torch.manual_seed(1234)
+    torch.manual_seed(args.warmup_seed)
     ranks = merges(args, env) if args.bpe_merges and not args.model else None
     return M.load(args.model or None, args.d_model, args.n_layer, ranks, dtype,
                   system=env.instructions if args.model else None)

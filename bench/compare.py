@@ -1,8 +1,9 @@
-"""Compare every method on one environment: several seeds, one base, one episode budget.
+"""Compare every method on one environment: several seeds, one base (or several), one episode budget.
 
     python -m bench --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
     python -m bench --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
     python -m bench --env tooluse --tune     # lr ×1/3, ×1, ×3 and a knob per method on seed 0 -> compare-tooluse/tuning.json
+    python -m bench --env tooluse --warmup_seeds 1234,7,8   # every entry x seeds 1,2,3 on each of three bases
 
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
 output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed
@@ -12,6 +13,11 @@ from their ckpt.pt, so a rerun only does what is missing. Seed 0 is the validati
 tuned flags when tuning.json exists (--no_tuned ignores it). Any other `--flag value` or
 `--set key=value` goes to train.py for every run. Run names carry the budget and a hash of
 the flags beyond the entry's own, so quick, full and tuned runs never collide.
+
+A base (train.py --warmup_seed: the tiny model's init and the warm-up's data order) is one draw: a
+compare on one base says what a method does from that base. --warmup_seeds runs every entry and seed
+on each base given (names end -w<W>-s<seed>; tuning stays on train.py's default base), and every
+interval then resamples the bases, then their seeds, then the tasks (report.bootstrap_ci).
 
 Reported per entry (report.py): final held-out graded reward and success with 95% bootstrap
 intervals over tasks and seeds, the reward sampled at temperature 0.7, the area under the
@@ -34,9 +40,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from tqdm import tqdm
 
 import train
+import warmup
 from bench import gap  # the reports that train nothing: --teacher_gap, --memory
 from bench import report  # what a compare writes: rows with intervals, tables, curves
 from bench.entries import (CONFIRM_SEED, COST, ENTRIES, OWN, QUICK_ENTRIES, QUICK_FLAGS, ROOT, TUNE, Parser, die,
@@ -44,9 +52,12 @@ from bench.entries import (CONFIRM_SEED, COST, ENTRIES, OWN, QUICK_ENTRIES, QUIC
 from plumbing import bookkeeping
 from plumbing.registry import METHODS
 
-def plan(prefix, entry, own, flags, env, seed, label=''):
+def plan(prefix, entry, own, flags, env, seed, label='', base=None):
     """One run: its name and train.py flags. `own` = the entry's flags, `flags` = everything.
-    The name has the budget and, if `flags` change anything beyond `own`, a hash of that."""
+    The name has the budget and, if `flags` change anything beyond `own`, a hash of that. base: a
+    warm-up seed given by --warmup_seeds, named '-w<base>' (None: the flags' base, named as ever)."""
+    if base is not None:  # part of the args, so of the setup's key: runs of two bases never share a setup
+        own, flags, label = own + ['--warmup_seed', str(base)], flags + ['--warmup_seed', str(base)], f'{label}-w{base}'
     flags = for_method(flags, method_of(entry))
     args = train_args(flags + ['--env', env])
     a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(args)
@@ -55,7 +66,7 @@ def plan(prefix, entry, own, flags, env, seed, label=''):
     name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
     shared = METHODS[args.method].setup and bookkeeping.setup_key(dataclasses.replace(args, seed=seed), '', train.CODE)
     return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env],
-            'setup': shared or None}
+            'setup': shared or None, 'warmup_seed': args.warmup_seed}
 
 
 def status(run_dir, budget):
@@ -109,13 +120,21 @@ def run_all(runs, out_dir, log_dir, jobs):
     # longest first, so that the last runs to finish are short ones and no core idles long
     todo.sort(key=lambda rs: -COST.get(rs[0]['entry'], 0))
     # runs with the same setup (LOPD's cold start, shared by its ablations of one seed): the first builds it,
-    # the others wait until it is cached (the longest-first order makes that wait rare)
-    builders = {}
+    # the others wait until it is cached (the longest-first order makes that wait rare); likewise the first run
+    # of each base builds its warm-up alone: two runs building it would race on one file
+    builders, warming = {}, {}
 
-    def one(item, warm=None):
+    def one(item):
         r, s = item
         d = os.path.join(out_dir, r['name'])
-        built = waits = None
+        warm = built = None
+        with lock:
+            waits = warming.get(r['warmup_seed'])
+            if waits is None:
+                warming[r['warmup_seed']] = warm = threading.Event()
+        if waits is not None:
+            waits.wait()
+        waits = None
         if r['setup'] and s != 'resume':
             with lock:
                 waits = builders.get(r['setup'])
@@ -143,13 +162,7 @@ def run_all(runs, out_dir, log_dir, jobs):
 
     pool = ThreadPoolExecutor(jobs)
     try:
-        # the first run alone until its warm-up is cached: two runs building it would race on one file
-        warm = threading.Event()
-        first = pool.submit(one, todo[0], warm)
-        while not warm.is_set() and not first.done():
-            time.sleep(0.2)
-        list(pool.map(one, todo[1:]))
-        first.result()
+        list(pool.map(one, todo))
     except KeyboardInterrupt:  # the runs got the Ctrl-C too: they save a checkpoint and stop
         pool.shutdown(cancel_futures=True)
         bar.close()
@@ -169,6 +182,8 @@ def parse(argv):
     p.add_argument('--methods', default='', help=f"comma-separated entries of {', '.join(ENTRIES)} "
                    f"(default: all; --quick: {','.join(QUICK_ENTRIES)})")
     p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3)')
+    p.add_argument('--warmup_seeds', default='', help="comma-separated bases (train.py --warmup_seed), every entry "
+                   "and seed on each, the intervals over bases too (default: train.py's base alone, runs named as ever)")
     p.add_argument('--quick', action='store_true',
                    help=f"{' '.join(QUICK_FLAGS)}, {len(QUICK_ENTRIES)} entries, in compare-<env>-quick/")
     p.add_argument('--tune', action='store_true', help='per method, lr ×1/3, ×1, ×3 and one other setting of its key '
@@ -209,6 +224,17 @@ def parse(argv):
         die(f'--seeds {o.seeds!r}: expected comma-separated integers')
     if {0, CONFIRM_SEED} & set(o.seeds) or min(o.seeds) < 0:
         die(f'--seeds must be >= 1 and not {CONFIRM_SEED}: seeds 0 and {CONFIRM_SEED} are the tuning (validation) seeds, never reported')
+    try:
+        o.warmup_seeds = [int(w) for w in o.warmup_seeds.split(',')] if o.warmup_seeds else []
+    except ValueError:
+        die(f'--warmup_seeds {o.warmup_seeds!r}: expected comma-separated integers')
+    if o.warmup_seeds and (min(o.warmup_seeds) < 0 or len(set(o.warmup_seeds)) < len(o.warmup_seeds)):
+        die(f"--warmup_seeds {','.join(map(str, o.warmup_seeds))}: each base once, and >= 0")
+    if o.warmup_seeds and (o.tune or o.teacher_gap):
+        die(f"--warmup_seeds is for compares: {'--tune tunes' if o.tune else '--teacher_gap reports'} on one base "
+            f"(train.py's, or forward --warmup_seed W)")
+    if o.warmup_seeds and any(t.split('=')[0] == '--warmup_seed' for t in extras):
+        die('--warmup_seed is set by bench per run when --warmup_seeds is given (list the bases there)')
     if o.tune and not set(o.entries) & set(TUNE):
         die(f"--tune: none of {', '.join(o.entries)} has a grid (methods: {', '.join(TUNE)})")
     o.extras = (QUICK_FLAGS if o.quick else []) + extras  # the user's flags come last, so they win
@@ -241,14 +267,16 @@ def main(argv=None):
     else:
         # an entry's own flags come last, so that an ablation holds whatever was tuned or forwarded
         tuned_flags = {e: (tuned.get(e) or tuned.get(method_of(e)) or {}).get('flags', []) for e in o.entries}
-        runs = [plan('cmp', e, ENTRIES[e], tuned_flags[e] + o.extras + ENTRIES[e], o.env, s)
-                for e in o.entries for s in o.seeds]
+        # the bases innermost: with --jobs 2 the first two runs build two bases' warm-ups side by side
+        runs = [plan('cmp', e, ENTRIES[e], tuned_flags[e] + o.extras + ENTRIES[e], o.env, s, base=w)
+                for e in o.entries for s in o.seeds for w in o.warmup_seeds or [None]]
     os.makedirs(cmp_dir, exist_ok=True)  # only now: every run's flags passed train.py's checks
     launched, failed = run_all(runs, out_dir, os.path.join(cmp_dir, 'logs'), o.jobs)
     command = 'python -m bench ' + ' '.join(sys.argv[1:] if argv is None else argv)
     meta = {'env': o.env, 'episodes': runs[0]['budget'], 'forwarded': o.extras, 'command': command,
             'commit': commit, 'code': train_code(), 'failed': failed, **machine(), 'wall_s': round(time.time() - t0),
-            'runs': len(runs), 'launched': len(launched)}
+            'runs': len(runs), 'launched': len(launched),
+            'warmup_seeds': list(dict.fromkeys(r['warmup_seed'] for r in runs))}  # the bases, as planned
     if o.tune:
         grid = {}
         for r in runs:
@@ -267,8 +295,8 @@ def main(argv=None):
         report.write_tuning(cmp_dir, grid, meta)
         table = os.path.join(cmp_dir, 'tuning.md')
     else:
-        results = {e: report.summarize([os.path.join(out_dir, r['name']) for r in runs if r['entry'] == e], runs[0]['budget'])
-                   for e in o.entries}
+        results = {e: report.summarize([os.path.join(out_dir, r['name']) for r in runs if r['entry'] == e], runs[0]['budget'],
+                                       by_base=bool(o.warmup_seeds)) for e in o.entries}
         target = report.add_reach(results)
         shown = {e: tuned_flags[e] + ENTRIES[e] for e in o.entries}
         report.write_results(cmp_dir, results, meta | {'seeds': o.seeds, 'tuned': bool(tuned), 'flags': shown}, target)
@@ -295,11 +323,13 @@ def tune_result(out_dir, r):
 
 
 def machine():
-    """What a number was measured on: the date, the machine and the versions that decide it."""
+    """What a number was measured on: the date, the machine and the versions that decide it; the torch build
+    and the CPU's kernel set decide the base too (warmup.py keys its cache on them)."""
     import platform
     from importlib.metadata import version
     return {'date': time.strftime('%Y-%m-%d'), 'machine': f'{platform.machine()}, {os.cpu_count()} cores, {platform.system()}',
-            'python': platform.python_version(), 'torch': version('torch'), 'transformers': version('transformers')}
+            'python': platform.python_version(), 'torch': torch.__version__, 'cpu_kernels': warmup.cpu_kernels(),
+            'transformers': version('transformers')}
 
 
 def train_code():

@@ -53,7 +53,11 @@ def mean_of(values):
 def bootstrap_ci(values, n_boot=2000, seed=0, level=0.95):
     """The mean of per-task values over seeds and tasks, with a two-level bootstrap interval: resample
     the seeds, then each drawn seed's tasks, with replacement. values (S, T) -> (mean, lo, hi).
-    e.g. one seed, tasks [0, 1]: the mean is 0.5 and the interval is about (0, 1)."""
+    e.g. one seed, tasks [0, 1]: the mean is 0.5 and the interval is about (0, 1).
+    Runs from several bases (warm-up seeds): values (W, S, T), or W arrays (S_w, T) where a base lost a run
+    -> three levels, so that the interval sees the noise between bases too (bases_ci)."""
+    if np.ndim(values[0]) == 2:
+        return bases_ci(values, n_boot, seed, level)
     v = np.asarray(values, float)
     S, T = v.shape
     rng = np.random.default_rng(seed)
@@ -64,30 +68,69 @@ def bootstrap_ci(values, n_boot=2000, seed=0, level=0.95):
     return float(v.mean()), float(lo), float(hi)
 
 
-def final_stats(evs):
-    """Per seed, the last evaluation's per-task values -> {metric: (mean, lo, hi)} over tasks and seeds."""
-    out = {}
+def bases_ci(values, n_boot=2000, seed=0, level=0.95):
+    """bootstrap_ci's three levels: resample the bases, then within each drawn base its seeds, then within
+    each drawn seed its tasks, with replacement. values: W bases of (S_w, T) (the same T tasks everywhere).
+    The mean is over bases of their seed means: a base counts once, however many of its runs finished.
+    e.g. bases [[0]] and [[1]]: the mean is 0.5 and the interval (0, 1) (both draws the same base: 1/2)."""
+    bases = [np.asarray(b, float) for b in values]
+    n = np.array([len(b) for b in bases])                                        # (W,) seeds per base
+    W, S, T = len(bases), n.max(), bases[0].shape[1]
+    v = np.stack([np.pad(b, ((0, S - len(b)), (0, 0))) for b in bases])          # (W, S, T); padded seeds are never drawn
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, W, (n_boot, W))                                          # (n_boot, W) bases drawn
+    s = rng.integers(0, n[w][..., None], (n_boot, W, S))                         # (n_boot, W, S) seeds drawn in each
+    t = rng.integers(0, T, (n_boot, W, S, T))                                    # (n_boot, W, S, T) tasks drawn per seed
+    seed_means = v[w[..., None, None], s[..., None], t].mean(-1)                 # (n_boot, W, S)
+    drawn = np.arange(S) < n[w][..., None]                                        # a base of n_w seeds draws n_w of them
+    means = ((seed_means * drawn).sum(-1) / n[w]).mean(-1)                       # (n_boot,)
+    lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(np.mean([b.mean() for b in bases])), float(lo), float(hi)
+
+
+def base_of(key):
+    """The base of a run key: 'w7-s1' (summarize(by_base=True)) -> 'w7'; '1' (one base, as ever) -> ''."""
+    return key.rpartition('-s')[0] if key.startswith('w') else ''
+
+
+def nest(keyed):
+    """{run key: per-task values} -> bootstrap_ci's values: [seed][task] from one base (as ever), [base][seed][task]
+    from several, the runs grouped by their warm-up seed."""
+    groups = {}
+    for k, v in keyed.items():
+        groups.setdefault(base_of(k), []).append(v)
+    return next(iter(groups.values())) if len(groups) == 1 else list(groups.values())
+
+
+def final_stats(evs, keys=None):
+    """Per seed, the last evaluation's per-task values -> {metric: (mean, lo, hi)} over tasks and seeds
+    (and bases, where keys, one per run as summarize makes them, name several)."""
+    out, keys = {}, keys or [str(i) for i in range(len(evs))]
     for name, key, f in [('reward', 'task_reward', float), ('success', 'task_reward', lambda r: float(r >= 1)),
                          ('reward_sampled', 'task_reward_sampled', float)]:
-        rows = [[f(r) for r in ev[-1][key]] for ev in evs if ev[-1].get(key)]
-        if rows and len({len(r) for r in rows}) == 1:
-            out[name] = bootstrap_ci(rows)
+        rows = {k: [f(r) for r in ev[-1][key]] for k, ev in zip(keys, evs) if ev[-1].get(key)}
+        if rows and len({len(r) for r in rows.values()}) == 1:
+            out[name] = bootstrap_ci(nest(rows))
     return out
 
 
-def summarize(run_dirs, budget):
-    """Finished runs of one entry -> its row of results.json (None if no run finished)."""
+def summarize(run_dirs, budget, by_base=False):
+    """Finished runs of one entry -> its row of results.json (None if no run finished). by_base: the runs
+    come from several bases (warm-up seeds): each run's per-task rewards are keyed 'w<warm-up seed>-s<seed>',
+    and the intervals resample the bases too."""
     runs = [(s, c, ev) for s, c, ev in map(load_run, run_dirs) if s and ev and s.get('episodes', 0) >= budget]
     if not runs:
         return None
+    keys = [f"w{c.get('warmup_seed')}-s{s.get('seed')}" if by_base else str(s.get('seed')) for s, c, _ in runs]
     # seed curves of the graded reward on the union of their eval points (linear in between)
     x = np.unique(np.concatenate([[m['episodes'] for m in ev] for _, _, ev in runs]))
     Y = np.stack([np.interp(x, [m['episodes'] for m in ev], [m.get('reward', m['success']) for m in ev]) for _, _, ev in runs])
     final = [ev[-1].get('reward', ev[-1]['success']) for _, _, ev in runs]
     aucs = [auc(x, y, budget) for y in Y]
     setup = [s.get('setup_episodes', 0) for s, _, _ in runs]
-    row = {'seeds': [s.get('seed') for s, _, _ in runs], 'final': final, 'final_mean': float(np.mean(final)),
-           'final_std': float(np.std(final, ddof=1)) if len(final) > 1 else 0.0, 'ci': final_stats([ev for _, _, ev in runs]),
+    row = {'seeds': [s.get('seed') for s, _, _ in runs], 'warmup_seeds': [c.get('warmup_seed') for _, c, _ in runs],
+           'final': final, 'final_mean': float(np.mean(final)),
+           'final_std': float(np.std(final, ddof=1)) if len(final) > 1 else 0.0, 'ci': final_stats([ev for _, _, ev in runs], keys),
            'best_mean': mean_of([max(m.get('reward', m['success']) for m in ev) for _, _, ev in runs]),
            'auc_mean': float(np.mean(aucs)), 'auc_std': float(np.std(aucs, ddof=1)) if len(aucs) > 1 else 0.0,
            'base_mean': mean_of([ev[0].get('reward', ev[0]['success']) for _, _, ev in runs]),
@@ -108,9 +151,9 @@ def summarize(run_dirs, budget):
             # student of the first evaluation, on the same tasks
             'teacher_without_context': mean_of([ev[0].get('student_reward_same_tasks') for _, _, ev in runs])}
     row['diagnostics'] = {k: v for k, v in diag.items() if v is not None}
-    # per seed, the base's and the last evaluation's per-task rewards: entries are compared on the same tasks
-    row['task_reward'] = {str(s.get('seed')): {'base': ev[0].get('task_reward'), 'final': ev[-1].get('task_reward')}
-                          for s, _, ev in runs}
+    # per seed (and base), the base's and the last evaluation's per-task rewards: entries are compared on the same tasks
+    row['task_reward'] = {k: {'base': ev[0].get('task_reward'), 'final': ev[-1].get('task_reward')}
+                          for k, (_, _, ev) in zip(keys, runs)}
     # per seed, every evaluation's diagnostics: β, Δ, anchor, family hit over time (for a notebook)
     keys = ['episodes', 'training_episodes', 'reward', 'success', 'teacher_reward', 'student_reward_same_tasks', 'beta', 'delta',
             'anchor', 'family_hit', 'phi_grad_kl', 'phi_grad_margin', 'phi_grad_anchor']
@@ -186,6 +229,12 @@ def reused_note(meta):
     return '' if n is None or n == m else f' ({n} of its {m} runs made by this command, the others reused)'
 
 
+def base_note(bases):
+    """Which base (warm-up seed: the tiny model's init and the warm-up's data order) the numbers are on."""
+    return ('base: ?' if not bases else f'base: warm-up seed {bases[0]}' if len(bases) == 1 else
+            f"bases: warm-up seeds {', '.join(map(str, bases))}")
+
+
 def write_results(cmp_dir, results, meta, target):
     results_json = {**meta, 'grpo_final_mean': target, 'entries': results}
     with open(os.path.join(cmp_dir, 'results.json'), 'w') as f:
@@ -195,17 +244,22 @@ def write_results(cmp_dir, results, meta, target):
         n = r[k]
         return ('n/a (no grpo)' if target is None else 'not reached' if n is None else
                 '0 (GRPO ends ≤ base)' if n == 0 else str(n))  # 0: the target says nothing about speed
-    md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}, {meta['episodes']} episodes each", '',
+    bases = meta.get('warmup_seeds') or []
+    several = len(bases) > 1  # then every number is over bases too: a base is one draw of the model, not the model
+    md = [f"# {meta['env']}: seeds {', '.join(map(str, meta['seeds']))}"
+          f"{' on each of ' + str(len(bases)) + ' bases' if several else ''}, {meta['episodes']} episodes each", '',
           f"`{meta['command']}` at commit {meta['commit']} (train.CODE {meta['code']}), {meta.get('date', '?')}, "
-          f"{meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
+          f"{meta.get('machine', '?')}, torch {meta.get('torch', '?')} on {meta.get('cpu_kernels', '?')} CPU kernels, "
+          f"transformers {meta.get('transformers', '?')}, {base_note(bases)}, "
           f"{meta.get('wall_s', '?')} s in all{reused_note(meta)}; forwarded flags: `{' '.join(meta['forwarded']) or '—'}`; "
           f"tuned flags: {'tuning.json' if meta['tuned'] else 'none'}. Held-out graded reward (the fraction of checks "
           f"passed) and success (every check), greedy, and the reward sampled at temperature 0.7; [lo, hi] is a 95% "
-          f"bootstrap interval over tasks and seeds (± the std over seeds, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
+          f"bootstrap interval over {'bases, then seeds, then tasks' if several else 'tasks and seeds'} (± the std over "
+          f"{'runs' if several else 'seeds'}, for runs that kept no per-task values). GRPO's final mean reward (the target of \"episodes to GRPO\"): "
           f"{fmt(target)}, reached counting every episode sampled / only the training episodes (the paper's: a bank or "
           f"pool built before training is not counted). AUC = area under reward vs episodes / budget. wall s = each run's "
           f"own seconds; runs that share one seed's method setup (LOPD's cold start) share it: the first builds it.", '',
-          '| entry | flags | seeds | final reward | success | reward, sampled | AUC | episodes to GRPO final '
+          f"| entry | flags | {'runs' if several else 'seeds'} | final reward | success | reward, sampled | AUC | episodes to GRPO final "
           '(all / training) | base reward | base success | teacher | wall s |',
           '|---|---|---|---|---|---|---|---|---|---|---|---|']
     for e, r in results.items():
@@ -251,9 +305,10 @@ def forgetting_table(results, solved=0.8):
 
 def paired(a, b):
     """The mean of a − b over the seeds both have, on the same held-out tasks, with bootstrap_ci's
-    interval; a and b are {seed: per-task rewards}. -> (mean, lo, hi) or None (no common seed)."""
+    interval; a and b are {seed: per-task rewards} (keys 'w7-s1' from several bases: grouped by base,
+    three levels). -> (mean, lo, hi) or None (no common seed)."""
     seeds = [k for k in a if a[k] and b.get(k) and len(a[k]) == len(b[k])]
-    return bootstrap_ci([np.subtract(a[k], b[k]) for k in seeds]) if seeds else None
+    return bootstrap_ci(nest({k: np.subtract(a[k], b[k]) for k in seeds})) if seeds else None
 
 
 def paired_table(results, ref='lopd'):
@@ -265,7 +320,9 @@ def paired_table(results, ref='lopd'):
         return []
     final = lambda e: {k: v['final'] for k, v in rows[e].items()}
     pm = lambda c: '—' if c is None else f'{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]'
-    md = ['', f'Paired on the same held-out tasks and seeds (95% two-level bootstrap of the per-task differences; '
+    levels = ('three-level bootstrap: bases, seeds, tasks' if len({base_of(k) for t in rows.values() for k in t}) > 1
+              else 'two-level bootstrap')
+    md = ['', f'Paired on the same held-out tasks and seeds (95% {levels} of the per-task differences; '
           f'an interval without 0 decides): each entry\'s final reward − its base\'s, and {ref} − the entry:', '',
           f'| entry | gain over the base | {ref} − entry |', '|---|---|---|']
     return md + [f"| {e} | {pm(paired(final(e), {k: v['base'] for k, v in t.items()}))} | "
@@ -409,8 +466,9 @@ def write_tuning(cmp_dir, grid, meta):
           f"bootstrap interval above 0 is run again beside the default on seed {seed}, and chosen only if its gain "
           "over both seeds (two-level bootstrap: seeds, then tasks) keeps its interval above 0. Otherwise the default stays.",
           '', f"`{meta.get('command', '?')}` at commit {meta.get('commit', '?')} (train.CODE {meta.get('code', '?')}), "
-          f"{meta.get('date', '?')}, {meta.get('machine', '?')}, torch {meta.get('torch', '?')}, transformers "
-          f"{meta.get('transformers', '?')}, {meta.get('wall_s', '?')} s in all{reused_note(meta)}.",
+          f"{meta.get('date', '?')}, {meta.get('machine', '?')}, torch {meta.get('torch', '?')} on {meta.get('cpu_kernels', '?')} "
+          f"CPU kernels, transformers {meta.get('transformers', '?')}, {base_note(meta.get('warmup_seeds'))}, "
+          f"{meta.get('wall_s', '?')} s in all{reused_note(meta)}.",
           '', f'| entry | setting | final reward, seed 0 | success, seed 0 | gain over the default, seed 0 | '
           f'final reward, seed {seed} | gain over the default, both seeds | chosen |', '|---|---|---|---|---|---|---|---|']
     iv = lambda g: '{:+.3f} [{:+.3f}, {:+.3f}]'.format(*g)

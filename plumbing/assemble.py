@@ -4,6 +4,7 @@ calls it with train's own rollout and evaluation."""
 import copy
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -33,6 +34,7 @@ def build(args, rollout, evaluate):
         M.checkpoint_activations(run.model)
     with run.timer('warmup'), parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
+    run.base = {'warmup_seed': args.warmup_seed, **warmup.base_info(wpath)}    # the base's draw, for summary.json
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
         run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
@@ -59,8 +61,26 @@ def build(args, rollout, evaluate):
         m = evaluate(run)
         print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
               (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
+        premise(m)
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
     return run
+
+
+GAP_FLOOR = 0.05  # a student takes about half its teacher's excess: under +5 points, a gain within the noise
+
+
+def premise(m):
+    """Every method distils a teacher that knows more than its student: print their paired gap at the base
+    and, under GAP_FLOOR, one line saying that the premise fails here, and what to try."""
+    gap = bk.paired_gap(m.get('task_teacher_reward'), m['task_reward'])
+    if gap is None:  # no teacher, or no teacher evaluation
+        return
+    n, (mean, lo, hi) = len(m['task_teacher_reward']), gap
+    print(f'teacher - student at the base, paired on the same {n} held-out tasks: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}]')
+    if mean < GAP_FLOOR:
+        print(f'train.py: the teacher knows nothing its student does not ({mean:+.3f} < +{GAP_FLOOR:.2f}): distilling it '
+              f'can teach little. Try another base (--warmup_seed), a longer warm-up (--warmup_steps), or see whether '
+              f'this base reads a context (the warm-up\'s last line: an NLL drop near 0 means it does not)', file=sys.stderr)
 
 
 def make_teacher(model, kind):

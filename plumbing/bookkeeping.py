@@ -112,6 +112,7 @@ class Run:
         self.state = {}  # the method's own (methods.Method.state)
         # set by train.build: the environment, tokenizer, student θ, teacher, θ's optimizer
         self.env = self.tok = self.model = self.teacher = self.opt = None
+        self.base = None  # the base's draw: its warm-up seed, the torch and CPU kernels that built it, its reading curve
         self.tb = None  # the TensorBoard writer, opened at the first evaluation with --tensorboard
 
     def autocast(self):
@@ -437,6 +438,16 @@ def tensorboard(run, m):
     run.tb.flush()
 
 
+def paired_gap(a, b, n_boot=2000, seed=0, level=0.95):
+    """The mean of a − b over the tasks a covers (a per-task list, b its superset's, the same tasks first), with a
+    bootstrap interval over those tasks -> (mean, lo, hi), or None without a."""
+    if not a:
+        return None
+    d = np.subtract(a, b[:len(a)])
+    means = d[np.random.default_rng(seed).integers(0, len(d), (n_boot, len(d)))].mean(1)
+    return float(d.mean()), *map(float, np.percentile(means, [50 * (1 - level), 50 * (1 + level)]))
+
+
 def summarize(run):
     """summary.json and the one-line summary."""
     a, base, final = run.args, run.metrics[0], run.metrics[-1]
@@ -448,7 +459,9 @@ def summarize(run):
                  **{f'{k}_{w}': m.get(w) for k, m in (('base', base), ('final', final)) for w in ('reward_sampled', 'success_sampled')},
                  'teacher_reward': final.get('teacher_reward'), 'teacher_success': final.get('teacher_success'),
                  'wall_seconds': round(wall, 1), 'time_split': {k: round(v, 1) for k, v in run.times.items()},
-                 'skipped_updates': sum(run.log['skipped']), 'code': run.code}, os.path.join(run.dir, 'summary.json'))
+                 'skipped_updates': sum(run.log['skipped']), 'code': run.code, 'base': run.base,
+                 'teacher_gap_base': paired_gap(base.get('task_teacher_reward'), base['task_reward'])},
+                os.path.join(run.dir, 'summary.json'))
     split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
     return (f"{a.name}: held-out reward {base['reward']:.3f} -> {final['reward']:.3f}, success {base['success']:.3f} -> "
             f"{final['success']:.3f} after {run.episodes} episodes in {wall:.0f}s ({split}); outputs in {run.dir}/")

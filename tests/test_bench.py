@@ -1,6 +1,7 @@
 """bench.py: the aggregates against hand-made run folders (mean ± std, AUC, episodes to
 reach GRPO's final success), reuse of finished runs (no process launched), bad arguments,
 and one real end-to-end bench of two tiny runs."""
+import itertools
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -27,12 +29,12 @@ TINY = ["--episodes", "48", "--batch", "16", *TINY_BASE, "--init_episodes", "16"
         "--eval_every", "2", "--eval_tasks", "16", "--teacher_eval", "8"]
 
 
-def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None, tasks=None):
+def fake_run(d, method, seed, xs, ys, teacher=None, delta=None, summary=True, ckpt=False, code=None, tasks=None, base=None):
     """A run folder as train.py leaves it: config.json, metrics.jsonl, summary.json (tasks: the last
-    evaluation's per-task rewards)."""
+    evaluation's per-task rewards; base: its --warmup_seed, if any)."""
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"method": method, "seed": seed, "code": code or train.CODE}, f)
+        json.dump({"method": method, "seed": seed, "code": code or train.CODE, **({"warmup_seed": base} if base is not None else {})}, f)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, (x, y) in enumerate(zip(xs, ys)):
             m = {"reward": y, "success": y, "episodes": x, "step": i, "delta": delta, "loss": None}
@@ -86,6 +88,86 @@ def test_bootstrap_interval_against_a_slow_reference_and_by_hand():
     assert mean == 0.5 and hi - lo == pytest.approx(2 * 1.96 * 0.5 / np.sqrt(500), rel=0.15)
     # the seed level counts: two seeds far apart give a much wider interval than their tasks alone
     assert np.subtract(*report.bootstrap_ci([[0.0] * 100, [1.0] * 100])[2:0:-1]) == pytest.approx(1.0)
+
+
+def old_bootstrap(values, n_boot=2000, seed=0, level=0.95):
+    """report.bootstrap_ci as it was before bases: a (S, T) input must still give exactly these numbers."""
+    v = np.asarray(values, float)
+    S, T = v.shape
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, S, (n_boot, S))
+    t = rng.integers(0, T, (n_boot, S, T))
+    means = v[s[..., None], t].mean((1, 2))
+    lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(v.mean()), float(lo), float(hi)
+
+
+def test_seeds_and_tasks_alone_give_exactly_the_old_numbers():
+    rng = np.random.default_rng(3)
+    for shape, n_boot, seed, level in [((3, 40), 2000, 0, 0.95), ((1, 500), 500, 7, 0.9), ((5, 12), 300, 1, 0.5)]:
+        values = rng.random(shape)
+        assert report.bootstrap_ci(values, n_boot, seed, level) == old_bootstrap(values, n_boot, seed, level)
+        assert report.bootstrap_ci(values.tolist(), n_boot, seed, level) == old_bootstrap(values, n_boot, seed, level)
+    # and so do the compare's consumers when the runs come from one base, named as ever or by --warmup_seeds
+    a, b = {"1": [1.0, 0.0, 1.0], "2": [1.0, 1.0, 0.0]}, {"1": [0.0, 0.0, 1.0], "2": [1.0, 0.0, 0.0]}
+    want = old_bootstrap([np.subtract(a[k], b[k]) for k in a])
+    assert report.paired(a, b) == want
+    assert report.paired({f"w7-s{k}": v for k, v in a.items()}, {f"w7-s{k}": v for k, v in b.items()}) == want
+    evs = [[{"task_reward": a[k]}] for k in a]
+    assert report.final_stats(evs)["reward"] == old_bootstrap(list(a.values()))
+
+
+def slow_bases_bootstrap(values, n_boot=2000, seed=0, level=0.95):
+    """The three-level bootstrap written as loops, with the same draws as report.bootstrap_ci: per replicate,
+    W bases drawn; per drawn base, as many of its own seeds as it has; per drawn seed, T of its tasks."""
+    bases = [np.asarray(b, float) for b in values]
+    n = np.array([len(b) for b in bases])
+    W, S, T = len(bases), n.max(), bases[0].shape[1]
+    rng = np.random.default_rng(seed)
+    drawn_bases = rng.integers(0, W, (n_boot, W))
+    drawn_seeds = rng.integers(0, n[drawn_bases][..., None], (n_boot, W, S))
+    drawn_tasks = rng.integers(0, T, (n_boot, W, S, T))
+    means = []
+    for b in range(n_boot):
+        base_means = []
+        for i in range(W):
+            base = bases[drawn_bases[b, i]]
+            seed_means = [sum(base[drawn_seeds[b, i, j], drawn_tasks[b, i, j, k]] for k in range(T)) / T
+                          for j in range(len(base))]    # the base's own number of seeds, the rest of the draws unused
+            base_means.append(sum(seed_means) / len(seed_means))
+        means.append(sum(base_means) / W)
+    return (np.mean([b.mean() for b in bases]), np.percentile(means, 100 * (1 - level) / 2),
+            np.percentile(means, 100 * (1 + level) / 2))
+
+
+def test_bases_bootstrap_against_a_slow_reference():
+    rng = np.random.default_rng(2)
+    values = rng.random((3, 2, 15)) < rng.random((3, 2, 1))                     # 3 bases, 2 seeds, 15 tasks, 0/1
+    assert report.bootstrap_ci(values, n_boot=200, seed=4) == pytest.approx(slow_bases_bootstrap(values, n_boot=200, seed=4))
+    ragged = [rng.random((3, 10)), rng.random((1, 10)), rng.random((2, 10))]    # a base lost two runs, another one
+    assert report.bootstrap_ci(ragged, n_boot=200) == pytest.approx(slow_bases_bootstrap(ragged, n_boot=200))
+
+
+def test_bases_bootstrap_by_hand():
+    # two bases of one seed and one task, 0 and 1: a replicate draws both bases the same with probability 1/2
+    # (mean 0 or 1, 1/4 each) and one of each with 1/2 (mean 0.5)
+    assert report.bootstrap_ci([[[0.0]], [[1.0]]], n_boot=4000) == (0.5, 0.0, 1.0)
+    assert report.bootstrap_ci([[[0.0]], [[1.0]]], n_boot=4000, level=0.4) == (0.5, 0.5, 0.5)  # 30% and 70%: both 0.5
+    assert report.bootstrap_ci(np.full((2, 3, 4), 0.25)) == (0.25, 0.25, 0.25)                 # nothing varies
+    # a base counts once, however many of its runs finished: (1 + 0) / 2, not 1/3
+    assert report.bootstrap_ci([[[1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]]])[0] == 0.5
+    # three bases alike, each one seed at 0 and one at 1: a replicate draws 2 seeds in each of 3 drawn bases, its mean
+    # is Binomial(6, 1/2) / 6, whose 2.5% and 97.5% points are 1/6 and 5/6 (P(0) = 1/64, P(<= 1/6) = 7/64)
+    assert report.bootstrap_ci([[[0.0] * 50, [1.0] * 50]] * 3) == pytest.approx((0.5, 1 / 6, 5 / 6))
+    # the exact bootstrap distribution of a tiny case (2 bases x 2 seeds x 2 tasks), every draw enumerated:
+    # 2^2 base draws x 2^4 seed draws x 2^8 task draws, equally likely
+    v = np.array([[[0.0, 1.0], [1.0, 1.0]], [[0.0, 0.0], [1.0, 0.0]]])
+    exact = [np.mean([v[w[i], s[2 * i + j], t[4 * i + 2 * j + k]] for i in range(2) for j in range(2) for k in range(2)])
+             for w in itertools.product(range(2), repeat=2) for s in itertools.product(range(2), repeat=4)
+             for t in itertools.product(range(2), repeat=8)]
+    for level in (0.5, 0.8):
+        q = np.quantile(exact, [(1 - level) / 2, (1 + level) / 2], method="inverted_cdf")
+        assert report.bootstrap_ci(v, n_boot=20000, level=level) == (0.5, *q)   # (0.375, 0.625) and (0.125, 0.875)
 
 
 def test_summarize_and_reach_on_fake_runs(tmp_path):
@@ -224,6 +306,12 @@ def test_tune_picks_the_best_setting_and_the_compare_uses_it(tmp_path, monkeypat
     (["--set", "lr"], ["--set", "lr"]),
     (["--methods", "grpo", "--batch", "6"], ["--batch", "6"]),   # train.py's own check, before any run
     (["--methods", "lopd", "--margin", "-1"], ["--margin", "-1"]),
+    (["--warmup_seeds", "7,x"], ["--warmup_seeds", "'7,x'", "integers"]),
+    (["--warmup_seeds", "7,,8"], ["--warmup_seeds", "integers"]),
+    (["--warmup_seeds", "7,7"], ["--warmup_seeds", "each base once"]),
+    (["--warmup_seeds=-1"], ["--warmup_seeds", ">= 0"]),
+    (["--tune", "--warmup_seeds", "7"], ["--warmup_seeds", "--tune"]),           # tuning stays on the default base
+    (["--warmup_seeds", "7,8", "--set", "warmup_seed=9"], ["--warmup_seed ", "--warmup_seeds"]),
 ])
 def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path, capsys, monkeypatch):
     """In-process (no 4 s interpreter start each): one line, exit status 2, nothing started."""
@@ -235,6 +323,55 @@ def test_bad_argument_exits_2_with_one_line(argv, words, tmp_path, capsys, monke
     assert e.value.code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("bench: error:") and all(w in lines[0] for w in words), lines[0]
     assert not os.listdir(tmp_path)  # nothing was started
+
+
+def test_warmup_seeds_parse():
+    assert bench.parse([]).warmup_seeds == [] and bench.parse(["--warmup_seeds", ""]).warmup_seeds == []
+    assert bench.parse(["--warmup_seeds", "1234,7,0"]).warmup_seeds == [1234, 7, 0]
+    # without --warmup_seeds a forwarded --warmup_seed is any forwarded flag: every run on that one base
+    assert bench.parse(["--warmup_seed", "7"]).extras == ["--warmup_seed", "7"]
+
+
+def test_two_bases_plan_their_own_runs_and_the_report_resamples_them(tmp_path, monkeypatch):
+    """--warmup_seeds 7,8: every entry and seed on each base, named -w<W>-s<seed>, each with its --warmup_seed;
+    LOPD's setups are never shared across bases; the first run of each base builds its warm-up; the report keys
+    each run's per-task rewards by base and seed and resamples the bases too."""
+    out, calls, lock = str(tmp_path), [], threading.Lock()
+    tasks = {(7, 1): [1.0, 0.0, 1.0, 1.0], (7, 2): [1.0, 1.0, 1.0, 0.0], (8, 1): [0.0, 0.0, 1.0, 0.0], (8, 2): [0.0, 1.0, 0.0, 0.0]}
+
+    def launch(cmd, log_path, env, signals=()):
+        name, base = cmd[cmd.index("--name") + 1], int(cmd[cmd.index("--warmup_seed") + 1])
+        with lock:
+            calls.append((name, base, cmd, dict(signals)["warm-up"] is not None))
+        seed = int(cmd[cmd.index("--seed") + 1])
+        fake_run(f"{out}/{name}", name.split("-")[1], seed, [0, 64], [0.5, float(np.mean(tasks[base, seed]))],
+                 tasks=tasks[base, seed], base=base)
+        for _, event in signals:
+            if event:
+                event.set()
+        return 0
+    monkeypatch.setattr(bench, "launch", launch)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--methods", "lopd,grpo", "--seeds", "1,2", "--warmup_seeds", "7,8", "--out_dir", out, "--episodes", "64"])
+    assert e.value.code == 0
+    assert {n for n, *_ in calls} == {f"cmp-{m}-tooluse-e64-w{w}-s{s}" for m in ("lopd", "grpo") for w in (7, 8) for s in (1, 2)}
+    for name, base, cmd, _ in calls:
+        assert cmd[cmd.index("--warmup_seed") + 1] == name.split("-w")[1].split("-")[0] == str(base)
+        assert cmd.count("--warmup_seed") == 1 and cmd[cmd.index("--method") + 1] == name.split("-")[1]
+    assert sorted(base for _, base, _, builds in calls if builds) == [7, 8]  # one warm-up builder per base
+    plan = lambda w, s=1: bench.plan("cmp", "lopd", bench.ENTRIES["lopd"], bench.ENTRIES["lopd"], "tooluse", s, base=w)
+    assert plan(7)["setup"] != plan(8)["setup"] and plan(7)["setup"] == plan(7)["setup"] and plan(7)["setup"] != plan(7, 2)["setup"]
+    assert plan(1234)["setup"] == plan(None)["setup"] and plan(1234)["name"].endswith("-e3072-w1234-s1")  # train.py's base, named
+    assert plan(None)["name"] == "cmp-lopd-tooluse-e3072-s1" and "--warmup_seed" not in plan(None)["flags"]  # as ever
+    res = json.load(open(f"{out}/compare-tooluse/results.json"))
+    assert res["warmup_seeds"] == [7, 8] and res["cpu_kernels"] == warmup.cpu_kernels() and res["torch"] == torch.__version__
+    lo = res["entries"]["lopd"]
+    assert sorted(lo["task_reward"]) == ["w7-s1", "w7-s2", "w8-s1", "w8-s2"] and sorted(lo["warmup_seeds"]) == [7, 7, 8, 8]
+    by_base = [[tasks[w, s] for s in (1, 2)] for w in (7, 8)]
+    assert lo["ci"]["reward"] == pytest.approx(report.bootstrap_ci(by_base)) and lo["ci"]["reward"][0] == pytest.approx(0.5)
+    md = open(f"{out}/compare-tooluse/results.md").read()
+    assert "bases: warm-up seeds 7, 8" in md and f"on {warmup.cpu_kernels()} CPU kernels" in md
+    assert "three-level bootstrap: bases, seeds, tasks" in md and "| entry | flags | runs |" in md
 
 
 def test_end_to_end_tiny_bench(tmp_path, capsys, base_in):
