@@ -231,7 +231,7 @@ def warmup(args, tok, model, env, device):
             bar.set_postfix(loss=f'{loss.item():.3f}', **({'read': curve[-1][PROBE_FORMS[0]]} if curve else {}))
         if probe:
             curve.append({'step': args.warmup_steps, **reading(model, tok, probe, device)})
-            print(f'warm-up: the base reads a context: NLL drop per token ' +
+            print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +
                   ', '.join(f'{f} {curve[-1][f]:+.3f}' for f in PROBE_FORMS))
         torch.set_num_threads(threads)
         return {'model': M.trainable_state(model), 'key': key, 'reading': curve}  # with LoRA, only the adapter

@@ -152,9 +152,10 @@ def run_all(runs, out_dir, log_dir, jobs):
             bar.set_postfix_str(', '.join(running))
         try:
             rc = launch(cmd, os.path.join(log_dir, r['name'] + '.log'), env, [('warm-up', warm), ('setup', built)])
-        finally:  # a builder that failed releases its waiters too (they build the setup themselves)
-            if built is not None:
-                built.set()
+        finally:  # a builder that failed releases its waiters too (they build the warm-up or setup themselves)
+            for ev in (warm, built):
+                if ev is not None:
+                    ev.set()
         with lock:
             running.remove(r['name'])
             failed.extend([r['name']] if rc else [])

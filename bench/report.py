@@ -1,6 +1,7 @@
 """What bench writes: finished run folders -> one row per entry (final reward and success with
-95% bootstrap intervals over tasks and seeds, the curve, the diagnostics, the families the base
-solves), then results.json / results.md / curves.png and tuning.json / tuning.md."""
+95% bootstrap intervals over tasks and seeds, and bases where the runs come from several, the curve,
+the diagnostics, the families the base solves), then results.json / results.md / curves.png and
+tuning.json / tuning.md."""
 import contextlib
 import json
 import os

@@ -71,3 +71,38 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     where = lambda item: rank.get(getattr(item.cls, "__name__", None), rank.get(item.path.name, len(rank)))
     items.sort(key=where)  # stable: the order within a module stays
+
+
+def base_flags():
+    """The notebooks' base and the base tier's: train.py's default, or another draw (LOPD_WARMUP_SEED=W), as the
+    notebooks read it."""
+    return ["--warmup_seed", os.environ["LOPD_WARMUP_SEED"]] if "LOPD_WARMUP_SEED" in os.environ else []
+
+
+def shared_base(runs):
+    """Build the notebooks' one warmed-up base, train.py's default, into `runs` once (a file lock: the
+    notebooks may run on several test workers at once), exactly as `python train.py` would. -> runs."""
+    import filelock
+    import torch
+    sys.path.insert(0, ROOT)
+    import envs
+    import train
+    import warmup
+    os.makedirs(runs, exist_ok=True)
+    with filelock.FileLock(os.path.join(runs, "base.lock")):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        args = train.parse_args(["--out_dir", runs, *base_flags()])
+        env = envs.make_env(args.env)
+        tok, model = warmup.load_model(args, env)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            warmup.warmup(args, tok, model, env, "cpu")
+        torch.set_num_threads(threads)
+    return runs
+
+
+@pytest.fixture(scope="session")
+def default_base(tmp_path_factory):
+    """A folder every test worker of this session sees, with `python train.py`'s default base built in it once:
+    the notebooks' caches (tests/test_notebooks.py) and the base tier's (tests/test_base.py)."""
+    return shared_base(str(shared_folder(tmp_path_factory, "notebook-runs")))

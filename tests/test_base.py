@@ -2,9 +2,10 @@
 the CPU kernels that build it), the reading probe (which must leave the base as it was), and the
 premise line a run prints after its setup when the teacher knows nothing its student does not.
 
-One opt-in tier, which CI runs: `python train.py`'s default base, built here with the torch and the CPU
-kernels of this machine, must have a teacher above its student (LOPD_BASE=1; ~6 min on 2 cores,
-most of it the warm-up; LOPD_BASE_SEED=W builds --warmup_seed W instead, to see a base fail)."""
+One opt-in tier, which CI runs beside the notebooks' (they share the base): `python train.py`'s default
+base, built here with the torch and the CPU kernels of this machine, must have a teacher above its
+student (LOPD_BASE=1; ~6 min on 2 cores, most of it the warm-up; LOPD_WARMUP_SEED=W builds --warmup_seed W
+instead, for the notebooks too: to see a base fail)."""
 import contextlib
 import io
 import json
@@ -20,6 +21,7 @@ sys.path.insert(0, ROOT)
 import envs  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
+from conftest import base_flags  # noqa: E402
 from plumbing import assemble, bookkeeping as bk  # noqa: E402
 
 TINY = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "20", "--warmup_batch", "8", "--warmup_lr", "1e-2"]
@@ -91,16 +93,16 @@ def test_the_premise_line_only_when_the_teacher_knows_no_more(capsys):
 
 
 @pytest.mark.skipif(not os.environ.get("LOPD_BASE"), reason="opt-in: LOPD_BASE=1 (builds the default base, ~6 min)")
-def test_the_default_base_has_a_teacher_above_its_student(tmp_path):
+def test_the_default_base_has_a_teacher_above_its_student(default_base):
     """What every method rests on, for the base this machine builds: LOPD's teacher, its latents composed after
     the cold start, is at least 10 points above its student on the same 100 held-out tasks (greedy), and
-    the run prints that gap; the run itself trains one step."""
-    seed = os.environ.get("LOPD_BASE_SEED", "1234")
-    out = subprocess.run([sys.executable, "train.py", "--warmup_seed", seed, "--out_dir", str(tmp_path), "--setup_free",
-                          "--episodes", "16", "--eval_tasks", "100", "--teacher_eval", "100", "--eval_samples", "0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    the run prints that gap. The base is the notebooks' (`runs`: built once for both tiers)."""
+    runs, seed = default_base, train.parse_args(base_flags()).warmup_seed
+    out = subprocess.run([sys.executable, "train.py", *base_flags(), "--out_dir", runs, "--name", f"base-gap-w{seed}",
+                          "--overwrite", "--setup_free", "--episodes", "16", "--eval_tasks", "100", "--teacher_eval", "100",
+                          "--eval_samples", "0"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.load(open(os.path.join(tmp_path, "lopd-tooluse-s0", "summary.json")))
+    summary = json.load(open(os.path.join(runs, f"base-gap-w{seed}", "summary.json")))
     gap = summary["teacher_gap_base"]
     print(f"warm-up seed {seed}, torch {summary['base']['torch']}, {summary['base']['cpu_kernels']}: reading "
           f"{summary['base']['reading'][-1]}, teacher - student {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]")

@@ -23,7 +23,7 @@ import sys
 import time
 
 import pytest
-from conftest import shared_folder
+from conftest import shared_base
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -34,36 +34,11 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 MAX_BYTES = 500_000
 
 
-def shared_base(runs):
-    """Build the notebooks' one warmed-up base, train.py's default, into `runs` once (a file lock: the
-    notebooks may run on several test workers at once), exactly as `python train.py` would. -> runs."""
-    import contextlib
-    import io
-
-    import filelock
-    import torch
-    sys.path.insert(0, ROOT)
-    import envs
-    import train
-    import warmup
-    os.makedirs(runs, exist_ok=True)
-    with filelock.FileLock(os.path.join(runs, "base.lock")):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        args = train.parse_args(["--out_dir", runs])
-        env = envs.make_env(args.env)
-        tok, model = warmup.load_model(args, env)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            warmup.warmup(args, tok, model, env, "cpu")
-        torch.set_num_threads(threads)
-    return runs
-
-
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; the repo's runs/ for a reader), in a
-    folder every test worker of this session sees, with the base built in it once."""
-    return shared_base(str(shared_folder(tmp_path_factory, "notebook-runs")))
+def runs(default_base):
+    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; the repo's runs/ for a reader), with train.py's
+    default base built in it once (conftest.default_base; test_base.py's tier reads the same one)."""
+    return default_base
 
 
 def execute(path, runs):
