@@ -99,6 +99,10 @@ class Args:
     warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
                              'measured)', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
+    warmup_tail: float = arg(0.0, 'after the cosine, this fraction of --warmup_steps more at 30%% of --warmup_lr: '
+                             'a base that does not read a context yet learns to (0.5 opened the teacher\'s gap on '
+                             'every base measured, but the default base\'s student gained nothing: docs/bases.md)',
+                             lo=0, group=MODEL)
     warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
                             '(0 = the base that never saw one, an ablation)', lo=0, hi=1,

@@ -160,12 +160,17 @@ PROBE_EVERY = 100   # warm-up steps between two readings of the probe (0 = none:
 PROBE_FORMS = ('past', 'solution')   # LOPD's (its latents start as a past experience's embeddings) and OPSD's
 
 
-def probe_demos(env, n=32):
-    """The reading probe's demos: n per form of PROBE_FORMS, each after its context, from warm-up tasks drawn by a
-    generator of their own (the warm-up's draws are untouched). -> {form: (demos, contexts)}."""
-    rng, (pool, by_family) = random.Random(777), warmup_pool(env)
+def probe_demos(env, pool, by_family, n=32):
+    """The reading probe's demos: n per form of PROBE_FORMS, each after its context, from the warm-up's tasks drawn
+    by a generator of their own (the warm-up's draws are untouched). -> {form: (demos, contexts)}."""
+    rng = random.Random(777)
     return {f: tuple(zip(*[warmup_demo(env, rng.choice(pool), by_family, rng, 1.0, form=f) for _ in range(n)]))
             for f in PROBE_FORMS}
+
+
+def tail_steps(args):
+    """--warmup_tail's steps (a fraction of --warmup_steps)."""
+    return round(args.warmup_tail * args.warmup_steps)
 
 
 @torch.no_grad()
@@ -178,13 +183,15 @@ def reading(model, tok, probe, device):
                                warmup_loss(model, tok, demos, contexts, device)), 4) for f, (demos, contexts) in probe.items()}
 
 
-RECIPE = {'hold': 0.0, 'ctx_early': (0.0, 0.6)}   # screening knobs (temporary)
+TAIL_LR = 0.3  # the tail's learning rate, as a fraction of --warmup_lr
 
 
 def lr_factor(step, steps):
-    """The warm-up's learning rate, as a fraction of --warmup_lr: held at its peak for RECIPE's hold, then cosine to 10%."""
-    h = RECIPE['hold'] * steps
-    return 1.0 if step < h else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - h) / max(steps - h, 1)))
+    """The warm-up's learning rate, as a fraction of --warmup_lr: a cosine from 1 to 0.1 over its `steps`, then the
+    tail (--warmup_tail, off by default) at TAIL_LR. Reading a context forms late and slowly, after the rest of the
+    demos are fit, and on some bases not by the cosine's 10% (warm-up seeds 0 and 3: their teachers +0.015 and
+    +0.075 over their students at step 0; after a tail of 400 steps at 30%, +0.230 and +0.155; docs/bases.md)."""
+    return TAIL_LR if step >= steps else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def cpu_kernels():
@@ -192,13 +199,18 @@ def cpu_kernels():
     return torch.backends.cpu.get_cpu_capability()
 
 
+def warmup_key(args, tok, model, env):
+    """What a base is built from: a cache of another key is another base."""
+    return json.dumps(['v9', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
+                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR, tok.digest(), CONTEXT_FORMS,
+                      tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] +
+                     ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
+
+
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
-    key = json.dumps(['v9', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tok.digest(), CONTEXT_FORMS,
-                      tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] + ([RECIPE] if RECIPE != {'hold': 0.0, 'ctx_early': (0.0, 0.6)} else []) +
-                     ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
+    key = warmup_key(args, tok, model, env)
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
@@ -210,15 +222,15 @@ def warmup(args, tok, model, env, device):
         torch.manual_seed(args.warmup_seed)
         torch.set_num_threads(WARMUP_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
-        probe, curve = probe_demos(env) if PROBE_EVERY and not args.model else None, []
+        probe, curve = probe_demos(env, pool, by_family) if PROBE_EVERY and pool and not args.model else None, []
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
-        for step in (bar := tqdm(range(args.warmup_steps), desc='warm-up', dynamic_ncols=True)):
+        steps = args.warmup_steps + tail_steps(args)
+        for step in (bar := tqdm(range(steps), desc='warm-up', dynamic_ncols=True)):
             if probe and step % PROBE_EVERY == 0:
                 curve.append({'step': step, **reading(model, tok, probe, device)})
             for g in opt.param_groups:
                 g['lr'] = args.warmup_lr * lr_factor(step, args.warmup_steps)
-            p_ctx = RECIPE['ctx_early'][1] if step < RECIPE['ctx_early'][0] * args.warmup_steps else args.warmup_ctx
-            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, p_ctx)
+            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, args.warmup_ctx)
                                     for t in rng.sample(pool, args.warmup_batch)])
             opt.zero_grad(set_to_none=True)
             with M.train_mode(model):
@@ -230,7 +242,7 @@ def warmup(args, tok, model, env, device):
             opt.step()
             bar.set_postfix(loss=f'{loss.item():.3f}', **({'read': curve[-1][PROBE_FORMS[0]]} if curve else {}))
         if probe:
-            curve.append({'step': args.warmup_steps, **reading(model, tok, probe, device)})
+            curve.append({'step': steps, **reading(model, tok, probe, device)})
             print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +
                   ', '.join(f'{f} {curve[-1][f]:+.3f}' for f in PROBE_FORMS))
         torch.set_num_threads(threads)

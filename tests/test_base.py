@@ -24,7 +24,8 @@ import warmup  # noqa: E402
 from conftest import base_flags  # noqa: E402
 from plumbing import assemble, bookkeeping as bk  # noqa: E402
 
-TINY = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "20", "--warmup_batch", "8", "--warmup_lr", "1e-2"]
+TINY = ["--d_model", "32", "--n_layer", "1", "--warmup_steps", "20", "--warmup_batch", "8", "--warmup_lr", "1e-2",
+        "--warmup_tail", "0.5"]
 
 
 def build(tmp_path, flags, probe_every, monkeypatch):
@@ -45,8 +46,14 @@ def test_the_reading_probe_leaves_the_base_as_it_was(tmp_path, monkeypatch):
     for (k, a), (_, b) in zip(plain.state_dict().items(), probed.state_dict().items()):
         assert torch.equal(a, b), k
     assert saved_plain["reading"] == []
-    assert [c["step"] for c in saved["reading"]] == [0, 7, 14, 20]       # and once more at the end
+    assert [c["step"] for c in saved["reading"]] == [0, 7, 14, 21, 28, 30]   # through the tail (10 steps), and at the end
     assert all(set(c) == {"step", *warmup.PROBE_FORMS} for c in saved["reading"])
+
+
+def test_the_tail_runs_at_its_learning_rate_after_the_cosine():
+    assert warmup.tail_steps(train.parse_args(TINY)) == 10 and warmup.tail_steps(train.parse_args([])) == 0
+    assert warmup.lr_factor(0, 20) == 1.0 and abs(warmup.lr_factor(19, 20) - 0.1) < 0.01
+    assert warmup.lr_factor(20, 20) == warmup.lr_factor(29, 20) == warmup.TAIL_LR
 
 
 def test_warmup_seed_is_another_draw_and_the_default_is_todays(tmp_path, monkeypatch):
