@@ -124,24 +124,21 @@ def run_all(runs, out_dir, log_dir, jobs):
     # of each base builds its warm-up alone: two runs building it would race on one file
     builders, warming = {}, {}
 
+    def first_or_wait(table, key):
+        """The first run to need `key` builds it: -> the event it sets when done; any other waits for that, -> None."""
+        with lock:
+            waits = table.get(key)
+            if waits is None:
+                table[key] = mine = threading.Event()
+                return mine
+        waits.wait()
+        return None
+
     def one(item):
         r, s = item
         d = os.path.join(out_dir, r['name'])
-        warm = built = None
-        with lock:
-            waits = warming.get(r['warmup_seed'])
-            if waits is None:
-                warming[r['warmup_seed']] = warm = threading.Event()
-        if waits is not None:
-            waits.wait()
-        waits = None
-        if r['setup'] and s != 'resume':
-            with lock:
-                waits = builders.get(r['setup'])
-                if waits is None:
-                    builders[r['setup']] = built = threading.Event()
-            if waits is not None:
-                waits.wait()
+        warm = first_or_wait(warming, r['warmup_seed'])                        # its base's warm-up
+        built = first_or_wait(builders, r['setup']) if r['setup'] and s != 'resume' else None   # its shared setup
         if s == 'stale':
             shutil.rmtree(d)
         cmd = [sys.executable, os.path.join(ROOT, 'train.py')]
