@@ -262,10 +262,10 @@ def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
     """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
     A(τ) = 2r(τ) − 1 (the LOPD paper's privileged margin). Positive when the latent context makes the teacher
     more likely than the student on successful behaviour and less likely on failures.
-    centered=True: A(τ) = r(τ) − mean_batch r. With 0/1 rewards the paper's A is −1 on every failure, so
-    any teacher that differs from the student earns +KL-like credit there; the centred A weighs
-    successes and failures by how much rarer they are, and is 0 on a batch of equal rewards.
-    logp_t, logp_s, mask (B, T); reward (B,) in {0, 1} -> scalar."""
+    centered=True: A(τ) = r(τ) − mean_batch r. The paper's A is −1 where no check passed, so any teacher
+    that differs from the student earns +KL-like credit there; the centred A weighs successes and
+    failures by how much rarer they are, and is 0 on a batch of equal rewards.
+    logp_t, logp_s, mask (B, T); reward (B,), graded in [0, 1] (the fraction of checks passed) -> scalar."""
     delta = logp_t - logp_s.detach()                                            # (B, T)
     m = mask.to(delta.dtype)
     delta_traj = (delta * m).sum(-1) / m.sum(-1).clamp(min=1)                   # (B,) mean over agent tokens

@@ -99,10 +99,11 @@ class Args:
     warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
                              'measured)', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
-    warmup_tail: float = arg(0.0, 'after the cosine, this fraction of --warmup_steps more at 30%% of --warmup_lr: '
-                             'a base that does not read a context yet learns to (0.5 opened the teacher\'s gap on '
-                             'every base measured, but the default base\'s student gained nothing: docs/bases.md)',
-                             lo=0, group=MODEL)
+    warmup_gate: float = arg(0.15, "after the cosine, more steps at 30%% of --warmup_lr while the base plays fewer than "
+                             "this fraction more of 1,024 demos with a past experience's plan shown than without (a base "
+                             "that does not read yet: its teacher would know nothing more; 0 = never, 1 = always)",
+                             lo=0, hi=1, group=MODEL)
+    warmup_tail: float = arg(0.5, "the most steps --warmup_gate adds, as a fraction of --warmup_steps", lo=0, group=MODEL)
     warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
                             '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
@@ -283,8 +284,8 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
     'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
                   after_setup=True, unless=FROZEN),
     'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, unless=FROZEN),
-    'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, at which the "
-                       "KL term pulls the teacher onto the student)", lo=0, after_setup=True,
+    'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, "
+                       "measured worse on one base)", lo=0, after_setup=True,
                        unless=FROZEN),
     'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
     'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '

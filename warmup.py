@@ -131,22 +131,27 @@ def _tokenizer_texts(env, n):
     return texts
 
 
-def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0, backward=False):
-    """NLL of the demos' agent tokens. Rows are sorted by length (context + body) and scored
-    rows_per_forward at a time, so that short rows do not pay for the long ones' padding (the
-    forwards are compute-bound on a CPU: padding is time). backward (--micro_batch): each group's
-    share of the loss is backpropagated at once, so that one group's activations are alive, not
-    the batch's; -> the loss, detached."""
+def scored(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0):
+    """The demos scored behind their contexts, rows sorted by length (context + body) and scored rows_per_forward
+    at a time, so that short rows do not pay for the long ones' padding (the forwards are compute-bound on a CPU:
+    padding is time). -> per group: (its rows' indices, logits (b, T, V), ids, agent mask)."""
     seqs, masks = zip(*[M.encode_episode(tok, d) for d in demos])
     length = [len(tok.encode(c)) if c else -1 for c in contexts]
     order = sorted(range(len(demos)), key=lambda i: (length[i], len(seqs[i])))
-    total, n = 0.0, (sum(map(sum, masks)) if backward else 0)
     for k in range(0, len(order), rows_per_forward):
         rows = order[k:k + rows_per_forward]
         ids, amask, attn = M.pad_batch([seqs[i] for i in rows], [masks[i] for i in rows], tok.pad, device)
         prefixes = [M.text_prefix(model, tok, [contexts[i]])[0] if contexts[i] else M.bos_prefix(model, tok, 1)[0]
                     for i in rows]
-        nll = -lopd.token_logp(M.logits_on(model, prefixes, ids, attn, chunk), ids, amask)   # (b, T)
+        yield rows, M.logits_on(model, prefixes, ids, attn, chunk), ids, amask
+
+
+def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0, backward=False):
+    """NLL of the demos' agent tokens (scored). backward (--micro_batch): each group's share of the loss is
+    backpropagated at once, so that one group's activations are alive, not the batch's; -> the loss, detached."""
+    total, n = 0.0, (sum(sum(M.encode_episode(tok, d)[1]) for d in demos) if backward else 0)
+    for _, logits, ids, amask in scored(model, tok, demos, contexts, device, rows_per_forward, chunk):
+        nll = -lopd.token_logp(logits, ids, amask)                                 # (b, T)
         if backward:  # this group's share of the mean over every agent token of the batch
             part = (nll * amask).sum() / max(n, 1)
             part.backward()
@@ -169,7 +174,7 @@ def probe_demos(env, pool, by_family, n=32):
 
 
 def tail_steps(args):
-    """--warmup_tail's steps (a fraction of --warmup_steps)."""
+    """--warmup_tail's steps (a fraction of --warmup_steps): the most the gate may add."""
     return round(args.warmup_tail * args.warmup_steps)
 
 
@@ -183,14 +188,48 @@ def reading(model, tok, probe, device):
                                warmup_loss(model, tok, demos, contexts, device)), 4) for f, (demos, contexts) in probe.items()}
 
 
+GATE_EVERY = 100   # tail steps between two readings of the gate
+
+
+def gate_demos(env, pool, by_family, n=1024):
+    """The gate's demos: n warm-up tasks of the opaque families (the ones only a context tells), each after a 'past'
+    context (LOPD's form: one to three past trajectories, one at least of its family, whose plan the demo follows,
+    never an opaque word's true plan), drawn by a generator of their own. -> (demos, contexts), or None: no family
+    of this environment is opaque."""
+    rng, opaque = random.Random(778), [t for t in pool if t.family in getattr(env, 'opaque', ())]
+    return tuple(zip(*[warmup_demo(env, rng.choice(opaque), by_family, rng, 1.0, form='past') for _ in range(n)])) \
+        if opaque else None
+
+
+@torch.no_grad()
+def played(model, tok, demos, contexts, device):
+    """Per demo: would greedy decoding play it token for token behind its context (every agent token the argmax)?"""
+    out = [False] * len(demos)
+    for rows, logits, ids, amask in scored(model, tok, demos, contexts, device):
+        for i, ok in zip(rows, ((logits.argmax(-1) == ids) | (amask == 0)).all(-1).tolist()):
+            out[i] = ok
+    return out
+
+
+def follows(model, tok, gate, device):
+    """Does the base act on what it reads? The fraction of the gate's demos it plays (greedy, token for token) with
+    their context shown, minus without it. Unlike the NLL probe it tells the bases apart: 0.006-0.122 on every base
+    measured whose teacher was under +0.10 over its student at step 0, over 0.17 on all but one above
+    (docs/bases.md). Under fork_rng, as the probe."""
+    demos, contexts = gate
+    with torch.random.fork_rng(devices=[]):
+        return round((sum(played(model, tok, demos, contexts, device)) -
+                      sum(played(model, tok, demos, [None] * len(demos), device))) / len(demos), 4)
+
+
 TAIL_LR = 0.3  # the tail's learning rate, as a fraction of --warmup_lr
 
 
 def lr_factor(step, steps):
     """The warm-up's learning rate, as a fraction of --warmup_lr: a cosine from 1 to 0.1 over its `steps`, then the
-    tail (--warmup_tail, off by default) at TAIL_LR. Reading a context forms late and slowly, after the rest of the
-    demos are fit, and on some bases not by the cosine's 10% (warm-up seeds 0 and 3: their teachers +0.015 and
-    +0.075 over their students at step 0; after a tail of 400 steps at 30%, +0.230 and +0.155; docs/bases.md)."""
+    tail at TAIL_LR (while the base does not read: the gate, --warmup_gate). Reading a context forms late and slowly,
+    after the rest of the demos are fit, and on some bases not by the cosine's 10% (warm-up seeds 0 and 3: their
+    teachers +0.015 and +0.075 over their students at step 0; after a tail of 400 steps at 30%, +0.230 and +0.155)."""
     return TAIL_LR if step >= steps else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
@@ -202,7 +241,8 @@ def cpu_kernels():
 def warmup_key(args, tok, model, env):
     """What a base is built from: a cache of another key is another base."""
     return json.dumps(['v9', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR, tok.digest(), CONTEXT_FORMS,
+                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR,
+                      args.warmup_gate, GATE_EVERY, tok.digest(), CONTEXT_FORMS,
                       tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] +
                      ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
 
@@ -223,9 +263,11 @@ def warmup(args, tok, model, env, device):
         torch.set_num_threads(WARMUP_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
         probe, curve = probe_demos(env, pool, by_family) if PROBE_EVERY and pool and not args.model else None, []
+        gate, gates = gate_demos(env, pool, by_family) if args.warmup_gate and tail_steps(args) and pool and not args.model else None, []
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
-        steps = args.warmup_steps + tail_steps(args)
-        for step in (bar := tqdm(range(steps), desc='warm-up', dynamic_ncols=True)):
+        step, end, cap = 0, args.warmup_steps, args.warmup_steps + tail_steps(args)
+        bar = tqdm(total=end, desc='warm-up', dynamic_ncols=True)
+        while step < end:
             if probe and step % PROBE_EVERY == 0:
                 curve.append({'step': step, **reading(model, tok, probe, device)})
             for g in opt.param_groups:
@@ -240,13 +282,23 @@ def warmup(args, tok, model, env, device):
                     loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            step += 1
+            bar.update()
             bar.set_postfix(loss=f'{loss.item():.3f}', **({'read': curve[-1][PROBE_FORMS[0]]} if curve else {}))
+            if step == end and gate:  # the gate: more steps at TAIL_LR while the base does not act on what it reads
+                gates.append({'step': step, 'follows': follows(model, tok, gate, device)})
+                more = min(GATE_EVERY, cap - end) if gates[-1]['follows'] < args.warmup_gate else 0
+                end, bar.total = end + more, end + more
+                print(f'warm-up: at step {step} the base plays {gates[-1]["follows"]:+.3f} of the gate\'s demos more with '
+                      f'their context than without (the gate: {args.warmup_gate}): ' +
+                      (f'{more} more steps at {TAIL_LR:.0%} of the lr' if more else 'it reads' if
+                       gates[-1]['follows'] >= args.warmup_gate else 'still under it at --warmup_tail\'s cap'))
         if probe:
-            curve.append({'step': steps, **reading(model, tok, probe, device)})
+            curve.append({'step': step, **reading(model, tok, probe, device)})
             print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +
                   ', '.join(f'{f} {curve[-1][f]:+.3f}' for f in PROBE_FORMS))
         torch.set_num_threads(threads)
-        return {'model': M.trainable_state(model), 'key': key, 'reading': curve}  # with LoRA, only the adapter
+        return {'model': M.trainable_state(model), 'key': key, 'reading': curve, 'gate': gates}  # with LoRA, only the adapter
 
     def apply(saved):
         if saved['key'] != key:
@@ -260,7 +312,8 @@ def base_info(path):
     """What summary.json and the bench record of a base: its draw, the torch and CPU kernels that built it,
     and its reading curve (the probe's NLL drops over the warm-up)."""
     saved = torch.load(path, map_location='cpu', weights_only=False)
-    return {'torch': torch.__version__, 'cpu_kernels': cpu_kernels(), 'reading': saved.get('reading', [])}
+    return {'torch': torch.__version__, 'cpu_kernels': cpu_kernels(), 'reading': saved.get('reading', []),
+            'gate': saved.get('gate', [])}
 
 
 def load_model(args, env, dtype=torch.float32):

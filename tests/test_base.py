@@ -1,6 +1,7 @@
 """The base every method starts from: its draw (--warmup_seed), what its cache key names (the torch and
-the CPU kernels that build it), the reading probe (which must leave the base as it was), and the
-premise line a run prints after its setup when the teacher knows nothing its student does not.
+the CPU kernels that build it), the reading probe and the gate (which must leave the base as it was, and
+add steps only while the base does not read), and the premise line a run prints after its setup when the
+teacher knows nothing its student does not.
 
 One opt-in tier, which CI runs beside the notebooks' (they share the base): `python train.py`'s default
 base, built here with the torch and the CPU kernels of this machine, must have a teacher above its
@@ -19,6 +20,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import envs  # noqa: E402
+import model as M  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
 from conftest import base_flags  # noqa: E402
@@ -51,9 +53,44 @@ def test_the_reading_probe_leaves_the_base_as_it_was(tmp_path, monkeypatch):
 
 
 def test_the_tail_runs_at_its_learning_rate_after_the_cosine():
-    assert warmup.tail_steps(train.parse_args(TINY)) == 10 and warmup.tail_steps(train.parse_args([])) == 0
+    assert warmup.tail_steps(train.parse_args(TINY)) == 10 and warmup.tail_steps(train.parse_args([])) == 400
     assert warmup.lr_factor(0, 20) == 1.0 and abs(warmup.lr_factor(19, 20) - 0.1) < 0.01
     assert warmup.lr_factor(20, 20) == warmup.lr_factor(29, 20) == warmup.TAIL_LR
+
+
+def test_the_gate_adds_steps_only_while_the_base_does_not_read(tmp_path, monkeypatch):
+    """Under the gate: GATE_EVERY steps more at a time, up to --warmup_tail's cap, each reading recorded; over it at
+    the cosine's end: the very base no gate builds (the gate's reading leaves it as it was)."""
+    monkeypatch.setattr(warmup, "GATE_EVERY", 4)
+    under, saved = build(tmp_path / "under", [], 0, monkeypatch)                  # a 20-step base does not read
+    assert [g["step"] for g in saved["gate"]] == [20, 24, 28, 30]                 # 20 + 4 + 4 + 2: the cap, read once more
+    assert all(g["follows"] < 0.15 for g in saved["gate"])
+    no_gate, saved = build(tmp_path / "none", ["--warmup_gate", "0"], 0, monkeypatch)
+    assert saved["gate"] == []
+    monkeypatch.setattr(warmup, "follows", lambda *a: 1.0)                         # it reads at once
+    reads, saved = build(tmp_path / "reads", [], 0, monkeypatch)
+    assert saved["gate"] == [{"step": 20, "follows": 1.0}]
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert same(reads, no_gate) and not same(under, no_gate)
+
+
+def test_played_is_what_greedy_decoding_plays(tmp_path, monkeypatch):
+    """played (teacher-forced: every agent token the argmax) against the slow reference, greedy decoding itself:
+    the base's own greedy episodes, behind their contexts, are played; with one action changed, they are not."""
+    model, _ = build(tmp_path, ["--warmup_steps", "60"], 0, monkeypatch)
+    args = train.parse_args(TINY)
+    env = envs.make_env(args.env)
+    tok = warmup.load_model(args, env)[0]
+    pool, by_family = warmup.warmup_pool(env)
+    demos, contexts = warmup.gate_demos(env, pool, by_family, 24)
+    prefixes = M.text_prefix(model, tok, list(contexts))
+    with torch.no_grad():
+        eps, _, _ = train.rollout(model, tok, env, [d.task for d in demos], greedy=True, prefixes=prefixes)
+    assert all(warmup.played(model, tok, eps, contexts, "cpu"))
+    changed = [envs.play(env, e.task, [a for a, _ in e.turns][:-1] + ["zzz(q)"]) for e in eps]
+    assert not any(warmup.played(model, tok, changed, contexts, "cpu"))
+    assert warmup.played(model, tok, demos, contexts, "cpu") == [[a for a, _ in e.turns] == [a for a, _ in d.turns]
+                                                                  for e, d in zip(eps, demos)]
 
 
 def test_warmup_seed_is_another_draw_and_the_default_is_todays(tmp_path, monkeypatch):
