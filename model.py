@@ -231,7 +231,7 @@ def embed(model, ids):
 
 def hidden(model, ids, mask):
     """Last-layer hidden states of token ids (B, L) with right padding -> (B, L, d)."""
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)   # nothing decodes
     return out.hidden_states[-1]
 
 
@@ -399,7 +399,8 @@ def logits_on(model, prefixes, ids, attn, chunk=0, rows=0):
         if not lazy:
             return forward(model, E, mask)[0][:, P - 1:P - 1 + T]
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos).last_hidden_state[:, P - 1:P - 1 + T]
+        return model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos,
+                                   use_cache=False).last_hidden_state[:, P - 1:P - 1 + T]
 
     if 0 < rows < ids.shape[0]:
         piece = lambda i: body(prefixes[i:i + rows], ids[i:i + rows], attn[i:i + rows])

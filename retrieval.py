@@ -312,12 +312,17 @@ def compose(run, tasks, found, grad, read0=None):
         empty = torch.zeros(0, d, device=run.device)
         return empty, empty
     s = run.state
+    # φ in float32, outside autocast: a step at lr_φ 1e-5 is under bf16's resolution, so latents made in bf16
+    # would not move where the teacher reads them (only the reader's forward runs under autocast)
+    f32 = lambda: torch.autocast(run.device.type, enabled=False)
     with torch.no_grad():
         read0 = reading(run, tasks, found, s['reader0'] or run.teacher) if read0 is None else read0  # composer.read's
-        z0 = s['composer0'].from_reading(read0)                                 # (N, K, d) the anchor's target
+        with f32():
+            z0 = s['composer0'].from_reading(read0.float())                     # (N, K, d) the anchor's target
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
         read = reading(run, tasks, found, s['reader']) if s['reader'] is not None else read0
-        z = s['composer'].from_reading(read)                                    # (N, K, d)
+        with f32():
+            z = s['composer'].from_reading(read.float())                        # (N, K, d)
     return z.reshape(-1, d), z0.reshape(-1, d)
 
 

@@ -23,6 +23,9 @@ def build(args, rollout, evaluate):
     method = METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
     run.env = envs.make_env(args.env)
+    if args.model and not args.lora_r and run.dtype == torch.bfloat16:
+        die('--lora_r 0 with --model in bf16 would train bf16 weights with no float32 master copy, where AdamW\'s '
+            'small updates round away: keep an adapter (--lora_r 16) or train in float32 (--dtype fp32)')
     try:
         run.tok, run.model = warmup.load_model(args, run.env, run.dtype)
     except ValueError as e:  # a chat template that is not one layout

@@ -78,6 +78,14 @@ def check_ranges(args):
             die(f'--{f.name} must be {"in " if m.get("hi") is not None else ""}{rng}, got {v}')
 
 
+def native_bf16():
+    """Does this CUDA card run bf16 in hardware (compute capability 8.0 and up), not emulated?"""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # a torch without the argument
+        return torch.cuda.get_device_capability()[0] >= 8
+
+
 def die(msg):
     """A bad argument: one line, exit status 2."""
     print(f'train.py: error: {msg}', file=sys.stderr)
@@ -99,8 +107,9 @@ class Run:
         self.args, self.method, self.code = args, method, code
         self.teacher_kind = getattr(args, 'teacher', '') or method.teacher
         self.device = pick_device(args.device)
-        # bf16 autocast only where the device supports it; the losses are computed in fp32 (lopd._f32)
-        bf16 = args.dtype == 'bf16' or (args.dtype == 'auto' and self.device.type == 'cuda' and torch.cuda.is_bf16_supported())
+        # bf16 autocast only where the card runs it natively (a pre-Ampere card emulates it, slower than float32);
+        # the losses are computed in fp32 (lopd._f32)
+        bf16 = args.dtype == 'bf16' or (args.dtype == 'auto' and self.device.type == 'cuda' and native_bf16())
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.dir = os.path.join(args.out_dir, args.name)
         self.rng = random.Random(args.seed)

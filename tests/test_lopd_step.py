@@ -90,3 +90,27 @@ def test_the_blocks_one_by_one_are_the_step(checkpoint):
     for d in deltas:
         want_beta = max(0.0, want_beta + run.args.eta_beta * (run.args.margin - float(d)))
     assert fn["beta"] == pytest.approx(want_beta) and np.isfinite(fn["beta"])
+
+
+def test_one_phi_step_at_the_papers_lr_moves_the_latents_under_bf16(checkpoint):
+    """φ runs in float32 outside autocast: under bf16 autocast (a CUDA run's default; CPU runs it too), one
+    composer-phase step at lr_φ 1e-5 changes the latents the teacher reads, not only the anchor's target."""
+    run = train.load_run(checkpoint)
+    s, tasks = run.state, run.env.train_tasks[:8]
+    found = retrieval.retrieve(run, tasks)
+    assert any(found)
+    for g in s["opt_phi"].param_groups:
+        g["lr"] = 1e-5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z, z0 = retrieval.compose(run, tasks, found, grad=True)
+        assert z.dtype == torch.float32 and z0.dtype == torch.float32
+        before = [p.detach().clone() for p in retrieval.latent_prefixes(run, z, found) if p is not None]
+        loss = (z * torch.randn_like(z)).sum() + ((z - z0) ** 2).mean()
+        s["opt_phi"].zero_grad()
+        loss.backward()
+        s["opt_phi"].step()
+        with torch.no_grad():
+            z1, _ = retrieval.compose(run, tasks, found, grad=False)
+        after = [p for p in retrieval.latent_prefixes(run, z1, found) if p is not None]
+    assert (z1 != z.detach()).float().mean() > 0.5                             # most of the latents' entries moved
+    assert any((a != b).any() for a, b in zip(after, before))                  # and the teacher reads them

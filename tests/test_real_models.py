@@ -33,6 +33,7 @@ import tokenizer  # noqa: E402
 import tiny_hf  # noqa: E402
 import train  # noqa: E402
 from plumbing import assemble  # noqa: E402
+from plumbing import bookkeeping as bk  # noqa: E402
 from conftest import TINY_BASE  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -113,6 +114,24 @@ def test_a_template_that_is_not_one_layout_is_refused(hf, tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--model", str(folder), "--out_dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not one fixed layout" in r.stderr
+
+
+def test_every_weight_in_bf16_is_refused_in_one_line(hf, tmp_path, capsys):
+    """--lora_r 0 on a bf16 --model would train bf16 weights under AdamW with no float32 master copy."""
+    args = train.parse_args(["--model", hf("qwen3"), "--lora_r", "0", "--dtype", "bf16", "--out_dir", str(tmp_path)])
+    capsys.readouterr()                                                         # the tiny model's saving, if it was built here
+    with pytest.raises(SystemExit) as e:
+        train.build(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "master copy" in err
+
+
+def test_auto_picks_bf16_only_where_the_card_runs_it_natively(monkeypatch):
+    emulated = lambda including_emulation=True: including_emulation             # a pre-Ampere card
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulated)
+    assert not bk.native_bf16()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert bk.native_bf16()
 
 
 def test_the_instructions_reach_student_and_teacher_once_before_the_context(hf):
