@@ -98,7 +98,11 @@ def readers(flag):
 def embed_context(run, ctx):
     """A context builder's answer, ready for the teacher: text becomes <|bos|><|ctx|> text embedded by
     the teacher (M.text_prefix); an embedded prefix (P, d) and None (no teacher) pass through."""
-    out = [M.text_prefix(run.teacher, run.tok, [c])[0] if isinstance(c, str) else c for c in ctx]
+    # text is a constant: detached, since --grad_ckpt's hook (transformers' enable_input_require_grads) marks every
+    # embedding as requiring grad, even under no_grad, and the teacher would then keep a graph of its scoring
+    with torch.no_grad():
+        text = {i: M.text_prefix(run.teacher, run.tok, [c])[0].detach() for i, c in enumerate(ctx) if isinstance(c, str)}
+    out = [text[i] if i in text else c for i, c in enumerate(ctx)]
     return Prefixes(out, **vars(ctx)) if isinstance(ctx, Prefixes) else out
 
 

@@ -539,12 +539,14 @@ def test_tensorboard_holds_the_metrics(base_in, tmp_path):
     assert "train_reward" in tb.Tags()["scalars"] and any(t.startswith("family/") for t in tb.Tags()["scalars"])
 
 
-@pytest.mark.parametrize("method", ["sdpo", "lopd"])
-def test_a_teacher_that_needs_no_gradient_builds_no_graph(hf, tmp_path, method):
+@pytest.mark.parametrize("method,ckpt", [("sdpo", False), ("lopd", False), ("opsd", True), ("lopd", True)])
+def test_a_teacher_that_needs_no_gradient_builds_no_graph(hf, tmp_path, method, ckpt):
     """With LoRA, SDPO's EMA teacher is a second adapter (peft makes an adapter trainable when it is
     switched on) and LOPD's θ0 the adapter off: in the teacher phase neither keeps a graph, and
-    LOPD's step 6, which needs φ's, scores again after θ's step."""
-    own = ["--init_episodes", "4", "--cold_start_steps", "1"] if method == "lopd" else []
+    LOPD's step 6, which needs φ's, scores again after θ's step. With --grad_ckpt, whose hook makes
+    every embedding require grad, a text teacher (OPSD's) keeps none either."""
+    own = {"lopd": ["--init_episodes", "4", "--cold_start_steps", "1"], "opsd": ["--pool_episodes", "4"]}.get(method, [])
+    own += ["--grad_ckpt"] if ckpt else []
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         run = train.build(train.parse_args(["--model", hf("qwen3"), "--method", method, "--warmup_steps", "0", "--lora_r", "4",
                                             "--batch", "4", "--eval_tasks", "2", "--teacher_eval", "0", "--eval_samples", "0",
@@ -563,5 +565,5 @@ def test_a_teacher_that_needs_no_gradient_builds_no_graph(hf, tmp_path, method):
     finally:
         train.M.logits_on = real
     # SDPO: one teacher forward, no graph; LOPD: step 4 without, step 6 with φ's graph
-    assert graphs == ([False] if method == "sdpo" else [False, True])
+    assert graphs == ([False, True] if method == "lopd" else [False])
     assert not any(p.requires_grad for p in M.Adapter(run.model, "ema").parameters()) if method == "sdpo" else True
