@@ -83,10 +83,13 @@ class Args:
                       '0 for the tiny model)', lo=-1, group=MODEL)
     score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
                            '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
-    micro_batch: int = arg(-1, 'rows per forward, and per backward, in every phase (rollout, teacher, student, composer, '
-                           'warm-up, cold start, evaluation): memory grows with it, not with --batch, --warmup_batch or '
-                           '--eval_tasks (0 = a phase\'s whole batch; the warm-up 16, the cold start 32 and evaluation 128 rows; '
-                           '-1 = 4 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    micro_batch: int = arg(-1, 'rows per forward, and per backward, in every scoring and training phase (teacher, student, '
+                           'composer, warm-up, cold start), and decoded at once off CUDA (--decode_rows): memory grows with '
+                           'it, not with --batch or --warmup_batch (0 = a phase\'s whole batch; the warm-up 16, the cold start '
+                           '32 rows; -1 = 4 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    decode_rows: int = arg(-1, 'rows decoded at once in rollouts, evaluation and a bank\'s or pool\'s fill (the KV cache '
+                           'grows with it; --micro_batch bounds the rest): -1 = on CUDA all that fit half the free memory, '
+                           'elsewhere --micro_batch\'s (evaluation 128, a fill 64); 0 = a whole batch', lo=-1, group=MODEL)
     grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
                           after_setup=True, group=MODEL)
     export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
@@ -192,7 +195,7 @@ def lopd_step(run):
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
         eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature,
-                                                                      rows=a.micro_batch), tasks)
+                                                                      rows=parallel.decode_rows(run, a.micro_batch)), tasks)
         ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)      # (B, T) each; amask = A
         reward = torch.tensor([e.reward for e in eps], device=run.device)       # (B,) graded, in [0, 1]
     run.episodes += len(eps)
@@ -358,7 +361,7 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        play = functools.partial(rollout, temperature=a.temperature, rows=a.micro_batch)
+        play = functools.partial(rollout, temperature=a.temperature, rows=parallel.decode_rows(run, a.micro_batch))
         eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
                                              play(run.model, run.tok, run.env, ts), tasks)
         b = Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps], device=run.device))
@@ -386,7 +389,7 @@ def evaluate(run):
     per task (for intervals over tasks). Plus the teacher's own reward when it decodes with its
     context (does the context carry information?)."""
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
-    rows = a.micro_batch or 128                                                 # decoded at once: the KV cache's rows
+    rows = parallel.decode_rows(run, a.micro_batch or 128)                      # decoded at once: the KV cache's rows
     play = lambda ts, **kw: parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
     with run.timer('eval'):
         eps = play(tasks, greedy=True)

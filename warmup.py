@@ -28,6 +28,7 @@ import model as M
 import retrieval
 import tokenizer
 from plumbing import bookkeeping as bk
+from plumbing import parallel
 from plumbing.registry import with_default
 from retrieval import experiences_text
 
@@ -362,7 +363,7 @@ def fill_bank(run, rollout):
             if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
                 eps, bodies, masks = expert_demos(run, tasks)
             else:
-                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks)
+                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks, rows=parallel.decode_rows(run, 0))
                 if a.bank_source == 'pool':  # the expert covers the tasks the base failed
                     d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
                     eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]

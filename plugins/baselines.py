@@ -19,6 +19,7 @@ from tqdm import tqdm
 import lopd
 import retrieval
 import warmup
+from plumbing import parallel
 from plumbing.bookkeeping import arg
 from plumbing.registry import DISTILL_FLAGS, TEACHER_FLAGS, Method, Prefixes, distill, register
 from retrieval import experiences_text
@@ -81,7 +82,8 @@ def build_pool(run, rollout):
     n, pool = 64, run.state['pool']
     for i in tqdm(range(0, run.args.pool_episodes, n), desc='pool', dynamic_ncols=True):
         with run.timer('rollout'):
-            eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)))
+            eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)),
+                                rows=parallel.decode_rows(run, 0))
         run.episodes += len(eps)
         for e in eps:
             if e.success:

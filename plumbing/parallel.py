@@ -31,6 +31,22 @@ def pick_device(name):
     return torch.device('cpu')
 
 
+def decode_rows(run, today):
+    """Rows decoded at once (--decode_rows; -1: on CUDA every row a KV-cache estimate fits in half the free memory,
+    since one decoding step is launch-bound and costs about the same for 4 rows as for 64; elsewhere `today`, the
+    phase's rows before the flag, so that no sampled number changes). 0 = the whole batch."""
+    if run.args.decode_rows >= 0 or run.device.type != 'cuda':
+        return run.args.decode_rows if run.args.decode_rows >= 0 else today
+    c = run.model.config
+    head = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * getattr(c, 'num_key_value_heads', c.num_attention_heads) * head * 2   # bf16 K and V, a token
+    per_row = kv * DECODE_TOKENS + 4 * c.vocab_size                            # the cache of an episode, and its float32 logits
+    return max(1, int(0.5 * torch.cuda.mem_get_info(run.device)[0] // per_row))
+
+
+DECODE_TOKENS = 2048   # a long episode's tokens, system prompt and context included (the estimate's)
+
+
 def world():
     """(rank, number of ranks): torchrun's, or (0, 1) in one process."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)

@@ -8,6 +8,7 @@ import copy
 import os
 import random
 import sys
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import lopd  # noqa: E402
 import model as M  # noqa: E402
 import tokenizer  # noqa: E402
 import train  # noqa: E402
+from plumbing import parallel  # noqa: E402
 
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a shared 2-core box
 
@@ -128,9 +130,26 @@ def test_rollout_padding_invariance(setup):
     mixed = train.rollout(m, tok, env, batch, greedy=True)
     assert mixed[0][2].turns == alone[0][0].turns
     assert mixed[1][2] == alone[1][0] and mixed[2][2] == alone[2][0]
-    # and the whole batch agrees with each task played alone
+    # and the whole batch agrees with each task played alone, and with its rows decoded 2 at a time (--decode_rows)
     for i, t in enumerate(batch):
         assert train.rollout(m, tok, env, [t], greedy=True)[0][0].turns == mixed[0][i].turns
+    assert [e.turns for e in train.rollout(m, tok, env, batch, greedy=True, rows=2)[0]] == [e.turns for e in mixed[0]]
+
+
+def test_decode_rows_on_cuda_fills_the_free_memory_and_elsewhere_keeps_each_phases_rows(setup, monkeypatch):
+    """--decode_rows -1: on a CPU the phase's own rows (no sampled number changes); on CUDA as many rows as a KV-cache
+    estimate fits in half the free memory; a number given is that number."""
+    tok, env, m = setup
+    run = types.SimpleNamespace(args=train.parse_args([]), device=torch.device("cpu"), model=m)
+    assert run.args.decode_rows == -1 and parallel.decode_rows(run, 4) == 4 and parallel.decode_rows(run, 0) == 0
+    run.device = torch.device("cuda", 0)
+    c = m.config
+    kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    per_row = kv_token * parallel.DECODE_TOKENS + 4 * c.vocab_size
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * 64 * per_row, 10 ** 12))
+    assert parallel.decode_rows(run, 4) == 64
+    run.args = train.parse_args(["--decode_rows", "16"])
+    assert parallel.decode_rows(run, 4) == 16
 
 
 def naive_greedy(model, prefix, body, max_new, eot):
