@@ -258,7 +258,13 @@ def teacher_inputs(prefixes, body, body_mask):
     return torch.cat([pre, body], 1), torch.cat([pre_mask, body_mask], 1), P
 
 
-def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
+def margin_weight(reward, centered=False, successes=False):
+    """w(τ) of the margin (2): the paper's 2r − 1; centered: r − mean r over the batch; successes: max(0, 2r − 1),
+    a margin on what succeeded only (a departure: a failure then pushes the teacher nowhere). (B,) -> (B,)."""
+    return reward - reward.mean() if centered else (2 * reward - 1).clamp(min=0) if successes else 2 * reward - 1
+
+
+def privileged_margin(logp_t, logp_s, mask, reward, centered=False, successes=False):
     """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
     A(τ) = 2r(τ) − 1 (the LOPD paper's privileged margin). Positive when the latent context makes the teacher
     more likely than the student on successful behaviour and less likely on failures.
@@ -270,11 +276,12 @@ def privileged_margin(logp_t, logp_s, mask, reward, centered=False):
     m = mask.to(delta.dtype)
     delta_traj = (delta * m).sum(-1) / m.sum(-1).clamp(min=1)                   # (B,) mean over agent tokens
     r = reward.to(delta.dtype)
-    A = r - r.mean() if centered else 2 * r - 1                                 # (B,)
+    A = margin_weight(r, centered, successes)                                    # (B,)
     return (A * delta_traj).mean()
 
 
-def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False, relative=False):
+def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False, relative=False,
+                  successes=False, kl_weight=1.0):
     """The composer's objective (the LOPD paper's eq. 3), minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
@@ -285,7 +292,8 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0,
     means over its own agent tokens, and the loss is the mean over rollouts; the Δ returned
     (for the dual step on β, and the log) is the token-weighted mean of the rollouts' A·δ.
     ‖·‖² is the mean squared entry, so λ does not scale with d·K; relative=True divides it by
-    the mean squared entry of z0, so λ does not depend on the latents' scale either.
+    the mean squared entry of z0, so λ does not depend on the latents' scale either. successes and
+    centered: margin_weight's; kl_weight scales the KL term (1: the paper's; 0: a diagnostic departure).
     logits (B, T, V); y, mask (B, T); reward (B,); z, z0 (N, d).
     -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
     logits_s = logits_s.detach()
@@ -294,12 +302,12 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0,
     kl = ((divergence(logits_s, logits_t, 'rkl', where=mask) * m).sum(-1) / n).mean()   # per rollout, then over rollouts
     delta_t = token_logp(logits_t, y, mask) - token_logp(logits_s, y, mask)    # (B, T) δ_t
     r = reward.to(delta_t.dtype)
-    A = r - r.mean() if centered else 2 * r - 1                                 # (B,) A(τ)
+    A = margin_weight(r, centered, successes)                                    # (B,) A(τ)
     delta_traj = A * (delta_t * m).sum(-1) / n                                  # (B,) A(τ)·mean_t δ_t
     anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
     if relative and z.numel():
         anchor = anchor / (z0.detach() ** 2).mean().clamp(min=1e-12)
-    loss = kl + beta * (margin - delta_traj.mean()) + lam * anchor
+    loss = kl_weight * kl + beta * (margin - delta_traj.mean()) + lam * anchor
     delta = (delta_traj * m.sum(-1)).sum() / m.sum().clamp(min=1)               # Δ weighted by tokens, for β
     return loss, delta.detach(), anchor.detach()
 

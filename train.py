@@ -238,7 +238,8 @@ def lopd_step(run):
                 logits_t = logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)
             loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
                                                          a.margin, a.lam, z, z0, centered=a.advantage == 'centered',
-                                                         relative=a.anchor == 'relative')
+                                                         relative=a.anchor == 'relative', successes=a.advantage == 'successes',
+                                                         kl_weight=a.kl_weight)
             for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds its own lr)
                 g['lr'] = lr_phi(run)
             bk.optimizer_step(run, s['opt_phi'], loss_phi, retrieval.phi_params(s['composer'], s['reader']))
@@ -300,8 +301,11 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
                              choices=['balanced', 'stored']),
     'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                   choices=['frozen', 'trained']),
-    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch",
-                     choices=['paper', 'centered'], after_setup=True, unless=FROZEN),
+    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch, successes = "
+                     "max(0, 2r − 1) (a departure: a margin on successes only)", choices=['paper', 'centered', 'successes'],
+                     after_setup=True, unless=FROZEN),
+    'kl_weight': arg(1.0, "weight of eq. (3)'s KL term (1 = the paper's; 0 = a diagnostic: is it the KL or the drift "
+                     "that costs a fast-moving φ its points?)", lo=0, after_setup=True, unless=FROZEN),
     'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
                            "(no margin, no β)", after_setup=True)
 }

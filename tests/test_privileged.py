@@ -151,6 +151,25 @@ def test_centered_margin_by_hand():
     assert lopd.privileged_margin(lt, ls, mask, torch.ones(2), centered=True).item() == 0.0
 
 
+def test_a_margin_on_successes_only_by_hand():
+    # δ = [0.5, −0.25, 0.1]; r = [1, 0, 0.75] -> w⁺ = max(0, 2r − 1) = [1, 0, 0.5]: the failure carries no weight
+    lt, ls = torch.tensor([[-1.0], [-2.25], [-1.0]]), torch.tensor([[-1.5], [-2.0], [-1.1]])
+    mask, r = torch.ones(3, 1), torch.tensor([1.0, 0.0, 0.75])
+    assert lopd.privileged_margin(lt, ls, mask, r, successes=True).item() == pytest.approx((0.5 + 0.5 * 0.1) / 3)
+    assert lopd.margin_weight(r, successes=True).tolist() == [1.0, 0.0, 0.5]
+
+
+def test_the_kl_weight_scales_the_kl_term_only():
+    """kl_weight 0 leaves the margin and the anchor: the loss is the paper's minus its KL term, exactly."""
+    torch.manual_seed(0)
+    ls, lt, y = torch.randn(3, 4, 7), torch.randn(3, 4, 7), torch.randint(0, 7, (3, 4))
+    mask, r, z, z0 = torch.ones(3, 4), torch.tensor([1.0, 0.0, 0.5]), torch.randn(5, 2), torch.randn(5, 2)
+    full, d1, a1 = lopd.composer_loss(ls, lt, y, mask, r, 0.7, 0.05, 0.2, z, z0)
+    none, d0, a0 = lopd.composer_loss(ls, lt, y, mask, r, 0.7, 0.05, 0.2, z, z0, kl_weight=0.0)
+    kl = (lopd.divergence(ls, lt, "rkl", where=mask) * mask).sum(-1).div(4).mean()
+    assert full.item() - none.item() == pytest.approx(kl.item(), rel=1e-5) and d1 == d0 and a1 == a0
+
+
 def test_trained_reader_gradients_reach_only_the_reader_and_the_composer(env, tok):
     torch.manual_seed(0)
     model = M.tiny_llama(tok.vocab_size, d_model=16, n_layer=1)
