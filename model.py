@@ -335,7 +335,19 @@ class Turns:
 
 
 @torch.no_grad()
-def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, turns=None, rows=None):
+def filtered(logits, top_k=0, top_p=1.0):
+    """Logits with every token outside the top_k, then outside the top_p nucleus (the fewest tokens whose mass
+    reaches p; the first always kept), at −inf: transformers' order. top_k 0 and top_p 1: the logits unchanged."""
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:], float('-inf'))
+    if top_p < 1:
+        p, idx = logits.softmax(-1).sort(-1, descending=True)
+        drop = p.cumsum(-1) - p >= top_p                                        # the mass before it already reaches p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float('-inf'))
+    return logits
+
+
+def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, turns=None, rows=None, top_k=0, top_p=1.0):
     """Sample one agent turn per row (at `temperature`, or greedy), with a KV cache, until <|eot|> or max_new tokens.
 
     prefixes: list of (P_i, d) context embeddings; bodies: list of token lists. Rows are left-padded
@@ -367,7 +379,8 @@ def generate(model, tok, prefixes, bodies, max_new, greedy, temperature=1.0, tur
     steps = []                                                                  # (B,) tokens, -1 once a row is done
     for _ in range(max_new):
         last = logits[:, -1].float()                                            # (B, V)
-        nxt = last.argmax(-1) if greedy else torch.multinomial(torch.softmax(last / temperature, -1), 1).squeeze(-1)
+        nxt = last.argmax(-1) if greedy else \
+            torch.multinomial(torch.softmax(filtered(last / temperature, top_k, top_p), -1), 1).squeeze(-1)
         steps.append(torch.where(done, -1, nxt))
         was, done = done, done | (nxt == tok.eot)
         if bool(done.all()):                                                    # the one host sync of a step

@@ -58,6 +58,10 @@ class Args:
     batch: int = arg(16, "episodes per training step (tasks × the method's group size)", lo=1, group=RUN)
     temperature: float = arg(1.0, 'sampling temperature of the training rollouts (the paper samples at 0.7)', lo=0,
                              open_lo=True, after_setup=True, group=RUN)
+    top_k: int = arg(0, "sample the training rollouts from the top k tokens only (0 = all; the authors' code: 20)", lo=0,
+                     after_setup=True, group=RUN)
+    top_p: float = arg(1.0, "... and from the top-p nucleus (1 = all; the authors' code: 0.95); a bank's or pool's "
+                       "fill samples at temperature 1 from every token", lo=0, hi=1, open_lo=True, after_setup=True, group=RUN)
     lr: float = arg(0.0, 'student learning rate (0 = the method default)', lo=0, group=RUN)
     eval_every: int = arg(64, 'steps between held-out evaluations', lo=1, after_setup=True, group=RUN)
     eval_tasks: int = arg(500, 'held-out tasks per evaluation (the first N of the fixed set)', lo=1, after_setup=True, group=RUN)
@@ -126,7 +130,7 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- rollout (step 1)
 
 @torch.no_grad()
-def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0, rows=0):
+def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0, rows=0, top_k=0, top_p=1.0):
     """Step 1. Play one episode per task, all rows in one batch (rows > 0, --micro_batch: `rows` at a
     time), turn by turn.
 
@@ -135,7 +139,7 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
     -> episodes, bodies (token lists without <|bos|>), agent masks (1 = agent-generated)."""
     prefixes = prefixes or M.bos_prefix(model, tok, len(tasks))
     if 0 < rows < len(tasks):
-        parts = [rollout(model, tok, env, tasks[i:i + rows], greedy, prefixes[i:i + rows], temperature)
+        parts = [rollout(model, tok, env, tasks[i:i + rows], greedy, prefixes[i:i + rows], temperature, top_k=top_k, top_p=top_p)
                  for i in range(0, len(tasks), rows)]
         return tuple([x for part in parts for x in part[k]] for k in range(3))
     eps = [env.reset(t) for t in tasks]
@@ -147,7 +151,7 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
         if not live:
             break
         outs = M.generate(model, tok, [prefixes[i] for i in live], [bodies[i] for i in live],
-                          env.max_action_tokens, greedy, temperature, turns=turns, rows=live)
+                          env.max_action_tokens, greedy, temperature, turns=turns, rows=live, top_k=top_k, top_p=top_p)
         for i, out in zip(live, outs):
             bodies[i] += out
             masks[i] += [1] * len(out)                                          # only what the agent generated
@@ -195,6 +199,7 @@ def lopd_step(run):
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
         eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature,
+                                                                      top_k=a.top_k, top_p=a.top_p,
                                                                       rows=parallel.decode_rows(run, a.micro_batch)), tasks)
         ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)      # (B, T) each; amask = A
         reward = torch.tensor([e.reward for e in eps], device=run.device)       # (B,) graded, in [0, 1]
@@ -365,7 +370,8 @@ def train_step(run):
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
     with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        play = functools.partial(rollout, temperature=a.temperature, rows=parallel.decode_rows(run, a.micro_batch))
+        play = functools.partial(rollout, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                 rows=parallel.decode_rows(run, a.micro_batch))
         eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
                                              play(run.model, run.tok, run.env, ts), tasks)
         b = Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps], device=run.device))

@@ -244,3 +244,27 @@ def test_untrained_model_turns_are_cut_at_max_action_tokens(setup):
         check_episode(tok, env, ep, b, mk)
         assert len(ep.turns) == env.max_turns and ep.reward == 0.0
     assert sum(sum(mk) for mk in masks) == sum(len(ep.turns) for ep in eps) * env.max_action_tokens
+
+
+def test_top_k_and_top_p_keep_what_transformers_keeps():
+    """M.filtered against transformers' own TopK and TopP logits processors, by hand on a small case too."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    torch.manual_seed(0)
+    x = torch.randn(6, 50)
+    for k, p in ((1, 1.0), (20, 1.0), (0, 0.95), (20, 0.95), (0, 0.3)):
+        ref = x.clone()
+        ref = TopKLogitsWarper(k)(None, ref) if k else ref
+        ref = TopPLogitsWarper(p)(None, ref) if p < 1 else ref
+        assert torch.equal(torch.isinf(M.filtered(x, k, p)), torch.isinf(ref)), (k, p)
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.isinf(M.filtered(probs, 0, 0.8)).tolist() == [[False, False, True, True]]   # 0.5 + 0.3 reaches 0.8
+    assert torch.equal(M.filtered(x), x)
+
+
+def test_sampling_from_the_top_token_only_is_greedy(setup):
+    tok, env, m = setup
+    tasks = env.eval_tasks[:6]
+    greedy = train.rollout(m, tok, env, tasks, greedy=True)[0]
+    torch.manual_seed(3)
+    top1 = train.rollout(m, tok, env, tasks, temperature=0.7, top_k=1)[0]
+    assert [e.turns for e in top1] == [e.turns for e in greedy]
