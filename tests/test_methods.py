@@ -96,15 +96,15 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
     episodes counted; a held-out task never enters it."""
     calls = []
 
-    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None):
-        calls.append(len(tasks))
+    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None, rows=None):
+        calls.append((len(tasks), rows))
         return [played(env, t, i % 2 == 0) for i, t in enumerate(tasks)], None, None
 
-    run = fake_run(env, "opsd", episodes=0, model=None, args=types.SimpleNamespace(pool_episodes=100),
-                   timer=lambda k: __import__("contextlib").nullcontext())
+    run = fake_run(env, "opsd", episodes=0, model=None, args=types.SimpleNamespace(pool_episodes=100, decode_rows=-1),
+                   timer=lambda k: __import__("contextlib").nullcontext(), device=torch.device("cpu"))
     baselines.build_pool(run, rollout)
     pool, train_ids = run.state["pool"], {t.task_id for t in env.train_tasks}
-    assert calls == [64, 36] and run.episodes == 100
+    assert calls == [(64, 0), (36, 0)] and run.episodes == 100                   # on a CPU, each fill decoded at once
     assert pool and set(pool) <= train_ids and not set(pool) & {t.task_id for t in env.eval_tasks}
     by_id = {t.task_id: t for t in env.train_tasks}
     assert all(v == env.trajectory_text(played(env, by_id[k], True)) for k, v in pool.items())  # what succeeded, as it went
@@ -113,13 +113,13 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
 def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_demo_of_each_failure(env):
     """--bank_source pool: the base's successes, and for each task it failed the expert's demo (a
     verified success); only the base's rollouts count toward the budget; held-out tasks never enter."""
-    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None):
+    def rollout(model, tok, env_, tasks, greedy=False, prefixes=None, rows=None):
         eps = [played(env, t, i % 3 == 0) for i, t in enumerate(tasks)]
         return eps, *zip(*[M.encode_episode(tok, e) for e in eps])
 
     run = fake_run(env, "lopd", episodes=0, model=None, tok=tokenizer.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
                    args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
-                                              bank_capacity=1000, allow_same_task=False))
+                                              bank_capacity=1000, allow_same_task=False, decode_rows=-1), device=torch.device("cpu"))
     run.state = {"bank": retrieval.new_bank(run)}
     rows = warmup.fill_bank(run, rollout)
     bank = run.state["bank"]
