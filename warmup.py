@@ -290,10 +290,10 @@ def warmup(args, tok, model, env, device):
                 gates.append({'step': step, 'follows': follows(model, tok, gate, device)})
                 more = min(GATE_EVERY, cap - end) if gates[-1]['follows'] < args.warmup_gate else 0
                 end, bar.total = end + more, end + more
-                print(f'warm-up: at step {step} the base plays {gates[-1]["follows"]:+.3f} of the gate\'s demos more with '
-                      f'their context than without (the gate: {args.warmup_gate}): ' +
-                      (f'{more} more steps at {TAIL_LR:.0%} of the lr' if more else 'it reads' if
-                       gates[-1]['follows'] >= args.warmup_gate else 'still under it at --warmup_tail\'s cap'))
+                tqdm.write(f'warm-up: at step {step} the base plays {gates[-1]["follows"]:+.3f} of the gate\'s demos more '
+                           f'with their context than without (the gate: {args.warmup_gate}): ' +
+                           (f'{more} more steps at {TAIL_LR:.0%} of the lr' if more else 'it reads' if
+                            gates[-1]['follows'] >= args.warmup_gate else 'still under it at --warmup_tail\'s cap'))
         if probe:
             curve.append({'step': step, **reading(model, tok, probe, device)})
             print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +
