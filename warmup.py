@@ -132,11 +132,12 @@ def _tokenizer_texts(env, n):
     return texts
 
 
-def scored(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0):
+def scored(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0, encoded=None):
     """The demos scored behind their contexts, rows sorted by length (context + body) and scored rows_per_forward
     at a time, so that short rows do not pay for the long ones' padding (the forwards are compute-bound on a CPU:
-    padding is time). -> per group: (its rows' indices, logits (b, T, V), ids, agent mask)."""
-    seqs, masks = zip(*[M.encode_episode(tok, d) for d in demos])
+    padding is time). encoded: the demos' M.encode_episode, if the caller has them.
+    -> per group: (its rows' indices, logits (b, T, V), ids, agent mask)."""
+    seqs, masks = zip(*(encoded or [M.encode_episode(tok, d) for d in demos]))
     length = [len(tok.encode(c)) if c else -1 for c in contexts]
     order = sorted(range(len(demos)), key=lambda i: (length[i], len(seqs[i])))
     for k in range(0, len(order), rows_per_forward):
@@ -150,8 +151,9 @@ def scored(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0):
 def warmup_loss(model, tok, demos, contexts, device, rows_per_forward=16, chunk=0, backward=False):
     """NLL of the demos' agent tokens (scored). backward (--micro_batch): each group's share of the loss is
     backpropagated at once, so that one group's activations are alive, not the batch's; -> the loss, detached."""
-    total, n = 0.0, (sum(sum(M.encode_episode(tok, d)[1]) for d in demos) if backward else 0)
-    for _, logits, ids, amask in scored(model, tok, demos, contexts, device, rows_per_forward, chunk):
+    encoded = [M.encode_episode(tok, d) for d in demos]
+    total, n = 0.0, (sum(sum(mask) for _, mask in encoded) if backward else 0)
+    for _, logits, ids, amask in scored(model, tok, demos, contexts, device, rows_per_forward, chunk, encoded):
         nll = -lopd.token_logp(logits, ids, amask)                                 # (b, T)
         if backward:  # this group's share of the mean over every agent token of the batch
             part = (nll * amask).sum() / max(n, 1)
