@@ -312,6 +312,11 @@ def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0,
     return loss, delta.detach(), anchor.detach()
 
 
+def drift(z, z0):
+    """How far φ moved the latents from its cold start: ‖z − z0‖² / ‖z0‖² (mean squared entries; 0 with none)."""
+    return ((z.detach() - z0) ** 2).mean() / (z0 ** 2).mean().clamp(min=1e-12) if z.numel() else z.new_zeros(())
+
+
 def dual_update(beta, margin, delta, eta):
     """β ← max(0, β + η_β (m − Δ)): the multiplier rises while the margin is unmet."""
     return max(0.0, beta + eta * (margin - float(delta)))

@@ -249,7 +249,7 @@ def lopd_step(run):
                 g['lr'] = lr_phi(run)
             bk.optimizer_step(run, s['opt_phi'], loss_phi, retrieval.phi_params(s['composer'], s['reader']))
             s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
-        logs.update(delta=float(delta), anchor=float(anchor))
+        logs.update(delta=float(delta), anchor=float(anchor), drift=float(lopd.drift(z, z0)))
     # 7. write back: the successful rollouts join the bank
     retrieval.write_back(run, eps)
     for key, v in logs.items():
