@@ -18,6 +18,7 @@ words), KV-cached decoding of one agent turn (`generate`) and scoring every pref
 one forward (`logits_on`).
 """
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -93,6 +94,28 @@ def checkpoint_activations(model):
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     return model
+
+
+@contextlib.contextmanager
+def layers_checkpointed(model):
+    """--grad_ckpt where nothing trains θ: transformers checkpoints a layer only in training mode, so a
+    frozen teacher holding φ's graph (steps 4 and 6, the cold start) would keep every layer's activations.
+    Marks the checkpointed layers alone as training for one forward: their children (dropout, attention)
+    stay in eval mode, so the numbers are eval mode's. No --grad_ckpt, or no graph: nothing changes."""
+    net = model.peft if isinstance(model, Adapter) else model
+    layers = [m for m in net.modules() if getattr(m, 'gradient_checkpointing', False) and not m.training] \
+        if torch.is_grad_enabled() else []
+    funcs = [m._gradient_checkpointing_func for m in layers]
+    for m in layers:
+        m.training = True
+        if isinstance(model, Adapter):  # the backward recomputes a layer outside the call: with the teacher's adapter again
+            m._gradient_checkpointing_func = functools.partial(
+                checkpoint, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), model.active()))
+    try:
+        yield model
+    finally:
+        for m, f in zip(layers, funcs):
+            m.training, m._gradient_checkpointing_func = False, f
 
 
 @contextlib.contextmanager
@@ -231,7 +254,8 @@ def embed(model, ids):
 
 def hidden(model, ids, mask):
     """Last-layer hidden states of token ids (B, L) with right padding -> (B, L, d)."""
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)   # nothing decodes
+    with layers_checkpointed(model):                                            # a trained reader's graph (--grad_ckpt)
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)   # nothing decodes
     return out.hidden_states[-1]
 
 
@@ -409,11 +433,12 @@ def logits_on(model, prefixes, ids, attn, chunk=0, rows=0):
 
     def body(prefixes, ids, attn):  # -> (b, T, d) last hidden states, or (b, T, V) logits
         E, mask, P = lopd.teacher_inputs(prefixes, embed(model, ids), attn)
-        if not lazy:
-            return forward(model, E, mask)[0][:, P - 1:P - 1 + T]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos,
-                                   use_cache=False).last_hidden_state[:, P - 1:P - 1 + T]
+        with layers_checkpointed(model):                                        # --grad_ckpt: per layer, θ's or a teacher's
+            if not lazy:
+                return forward(model, E, mask)[0][:, P - 1:P - 1 + T]
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            return model.get_decoder()(inputs_embeds=E, attention_mask=mask, position_ids=pos,
+                                       use_cache=False).last_hidden_state[:, P - 1:P - 1 + T]
 
     if 0 < rows < ids.shape[0]:
         piece = lambda i: body(prefixes[i:i + rows], ids[i:i + rows], attn[i:i + rows])

@@ -94,7 +94,8 @@ class Args:
     decode_rows: int = arg(-1, 'rows decoded at once in rollouts, evaluation and a bank\'s or pool\'s fill (the KV cache '
                            'grows with it; --micro_batch bounds the rest): -1 = on CUDA all that fit half the free memory, '
                            'elsewhere --micro_batch\'s (evaluation 128, a fill 64); 0 = a whole batch', lo=-1, group=MODEL)
-    grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass",
+    grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass, layer by layer "
+                          "(θ's, and the frozen teacher's where it holds φ's graph)",
                           after_setup=True, group=MODEL)
     export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
                       after_setup=True, group=MODEL)

@@ -110,6 +110,60 @@ def test_scoring_in_micro_batches_is_the_same_gradient(chunk, grad_ckpt):
     assert torch.allclose(z0, z1, atol=1e-6, rtol=1e-4) and z0.abs().sum() > 0
 
 
+def saved_bytes(fn):
+    """The bytes autograd saves for the backward while fn runs (what a graph holds between forward and backward)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_frozen_teacher_holding_phis_graph_is_checkpointed_per_layer(rows, lora):
+    """--grad_ckpt outside train mode: the frozen teacher's scoring that keeps φ's graph (steps 4 and 6, the
+    cold start) checkpoints each layer, as θ's does in train mode (transformers does only there): the same
+    values and gradient into the latents, a fraction of the saved activations (4 layers here: 0.08), and every
+    module back in eval mode. With LoRA the teacher θ0 is θ's model with its adapter off, and the backward
+    recomputes each layer outside that call: with the adapter off again (θ's adapter is made non-zero here, so
+    a recompute with it on would give another gradient)."""
+    import copy
+    import model as M
+    args = train.parse_args(["--d_model", "32", "--n_layer", "4", "--bpe_merges", "0"])
+    tok, plain = warmup.load_model(args, envs.make_env("tooluse"))
+    if lora:
+        plain = M.with_lora(plain, tok, 4)
+        torch.manual_seed(1)
+        for n, p in plain.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.1)                                           # θ ≠ θ0
+    plain.eval().requires_grad_(False)
+    ckpt = M.checkpoint_activations(copy.deepcopy(plain))
+    torch.manual_seed(0)
+    lens = [30, 22, 41, 17]
+    ids, amask, attn = M.pad_batch([torch.randint(0, 200, (n,)).tolist() for n in lens], [[1] * n for n in lens], tok.pad, "cpu")
+    z_start, out = torch.randn(4, 8, 32).mul(0.05), []                         # K = 8 latents per row
+    for net in (plain, ckpt):
+        teacher = M.Adapter(net) if lora else net                               # θ0
+        z = z_start.clone().requires_grad_(True)                                # φ's graph
+        prefixes = [torch.cat([M.bos_prefix(net, tok, 1)[0], z[i]]) for i in range(len(lens))]
+        logits, held = saved_bytes(lambda: M.logits_on(teacher, prefixes, ids, attn, 0, rows))
+        lopd.masked_mean(-lopd.token_logp(logits, ids), amask).backward()
+        out.append((logits.detach(), z.grad.clone(), held))
+        assert not any(m.training for m in net.modules())
+    (l0, g0, held0), (l1, g1, held1) = out
+    assert torch.allclose(l0, l1, atol=1e-5) and torch.allclose(g0, g1, atol=1e-6, rtol=1e-4) and g0.abs().sum() > 0
+    if not rows:  # (rows > 0: the pieces are checkpointed already, and what a piece recomputes is rows = 0's case)
+        assert held1 < 0.3 * held0, (held1, held0)
+    if lora:  # and the adapter off is not the adapter on
+        with torch.no_grad():
+            assert not torch.allclose(M.logits_on(plain, prefixes, ids, attn), l0, atol=1e-3)
+
+
 @pytest.mark.parametrize("method", ["lopd", "sdpo", "grpo"])
 def test_a_training_step_in_micro_batches_is_the_same_update(method, base_in, tmp_path, monkeypatch):
     """A whole step (LOPD's with its composer phase; a baseline's generic one) at --micro_batch 3 moves θ, φ
