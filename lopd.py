@@ -6,8 +6,9 @@
     distill_loss      L_distill = Σ_{t∈A} D(π_θ ‖ sg π_T) / |A|
     Composer, QFormer retrieved experiences -> K latent tokens each (an MLP on segment means; learned queries)
     teacher_inputs    [context (text or latents) ; trajectory] as one left-padded inputs_embeds batch
-    privileged_margin Δ(φ) = mean_τ A(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t)
-    composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖²
+    privileged_margin Δ(φ) = mean_τ w(τ)·mean_{t∈A} δ_t,  δ_t = log π_T(y_t) − sg log π_θ(y_t),  w = 2r − 1
+    composer_kl, anchor  eq. (3)'s first and last terms: KL(sg π_θ ‖ π_T^φ), ‖z − sg z_0‖²
+    composer_loss     KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z_0‖² in one call (the step's reference)
     dual_update       β ← max(0, β + η_β (m − Δ))
     group_advantage   GRPO's (r − mean)/std over a group of G rollouts of one task
     ppo_clip_loss     PPO-clip policy gradient, token mean
@@ -258,58 +259,58 @@ def teacher_inputs(prefixes, body, body_mask):
     return torch.cat([pre, body], 1), torch.cat([pre_mask, body_mask], 1), P
 
 
-def margin_weight(reward, centered=False, successes=False):
-    """w(τ) of the margin (2): the paper's 2r − 1; centered: r − mean r over the batch; successes: max(0, 2r − 1),
-    a margin on what succeeded only (a departure: a failure then pushes the teacher nowhere). (B,) -> (B,)."""
-    return reward - reward.mean() if centered else (2 * reward - 1).clamp(min=0) if successes else 2 * reward - 1
+def margin_weight(reward, kind='paper'):
+    """w(τ) of the margin (2): paper = 2r − 1; centered = r − mean r over the batch (0 on a batch of equal
+    rewards); successes = max(0, 2r − 1), a margin on what succeeded only (a departure: a failure then pushes
+    the teacher nowhere). reward graded in [0, 1]. (B,) -> (B,)."""
+    return {'paper': lambda: 2 * reward - 1, 'centered': lambda: reward - reward.mean(),
+            'successes': lambda: (2 * reward - 1).clamp(min=0)}[kind]()
 
 
-def privileged_margin(logp_t, logp_s, mask, reward, centered=False, successes=False):
-    """Δ(φ) = mean_τ [ A(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…),
-    A(τ) = 2r(τ) − 1 (the LOPD paper's privileged margin). Positive when the latent context makes the teacher
-    more likely than the student on successful behaviour and less likely on failures.
-    centered=True: A(τ) = r(τ) − mean_batch r. The paper's A is −1 where no check passed, so any teacher
-    that differs from the student earns +KL-like credit there; the centred A weighs successes and
-    failures by how much rarer they are, and is 0 on a batch of equal rewards.
-    logp_t, logp_s, mask (B, T); reward (B,), graded in [0, 1] (the fraction of checks passed) -> scalar."""
-    delta = logp_t - logp_s.detach()                                            # (B, T)
-    m = mask.to(delta.dtype)
-    delta_traj = (delta * m).sum(-1) / m.sum(-1).clamp(min=1)                   # (B,) mean over agent tokens
-    r = reward.to(delta.dtype)
-    A = margin_weight(r, centered, successes)                                    # (B,)
-    return (A * delta_traj).mean()
+def privileged_margin(logp_t, logp_s, mask, w, by_tokens=False):
+    """Δ(φ) = mean_τ [ w(τ) · mean_{t∈A} δ_t ],  δ_t = log π_T(y_t|z_φ,…) − sg log π_θ(y_t|…)  (the LOPD paper's
+    eq. 2, w = 2r − 1): positive when the latent context makes the teacher more likely than the student on
+    successful behaviour and less likely on failures. by_tokens: the rollouts weighted by their agent tokens, not
+    equally (what the authors' code moves β on). logp_t, logp_s, mask (B, T); w (B,) -> scalar."""
+    m = mask.to(torch.float32)
+    n = m.sum(-1).clamp(min=1)                                                  # (B,) agent tokens per rollout
+    per_rollout = w.to(torch.float32) * ((logp_t - logp_s.detach()) * m).sum(-1) / n   # (B,) w(τ)·mean_t δ_t
+    return (per_rollout * m.sum(-1)).sum() / m.sum().clamp(min=1) if by_tokens else per_rollout.mean()
 
 
-def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, centered=False, relative=False,
-                  successes=False, kl_weight=1.0):
-    """The composer's objective (the LOPD paper's eq. 3), minimised over φ only:
+def composer_kl(logits_s, logits_t, mask):
+    """Eq. (3)'s first term, KL(sg π_θ ‖ π_T^φ): each rollout's mean over its own agent tokens, then the mean
+    over rollouts (as the authors' code weights it). logits (B, T, V); mask (B, T) -> scalar."""
+    m = mask.to(torch.float32)
+    return ((divergence(logits_s.detach(), logits_t, 'rkl', where=mask) * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+
+
+def anchor(z, z0, relative=False):
+    """Eq. (3)'s ‖z_φ − sg z_φ0‖², as the mean squared entry (so λ does not scale with d·K); relative: divided
+    by z0's, so λ does not depend on the latents' scale either. 0 with nothing retrieved. (N, d) -> scalar."""
+    if not z.numel():
+        return z.new_zeros(())
+    out = ((z - z0.detach()) ** 2).mean()
+    return out / (z0.detach() ** 2).mean().clamp(min=1e-12) if relative else out
+
+
+def composer_loss(logits_s, logits_t, y, mask, reward, beta, margin, lam, z, z0, kind='paper', relative=False,
+                  kl_weight=1.0):
+    """The composer's objective (the LOPD paper's eq. 3) in one call, the reference train.lopd_step's three
+    terms are tested against; minimised over φ only:
 
         KL(sg π_θ ‖ π_T^φ) + β·(m − Δ(φ)) + λ·‖z_φ − sg z_{φ_0}‖²
 
-    The KL keeps the teacher close to the student (stable targets), the margin term makes
-    the latents carry reward-relevant information, the anchor keeps them near the
-    cold-start latents. Weighted as the authors' code weights it: each rollout's KL and δ are
-    means over its own agent tokens, and the loss is the mean over rollouts; the Δ returned
-    (for the dual step on β, and the log) is the token-weighted mean of the rollouts' A·δ.
-    ‖·‖² is the mean squared entry, so λ does not scale with d·K; relative=True divides it by
-    the mean squared entry of z0, so λ does not depend on the latents' scale either. successes and
-    centered: margin_weight's; kl_weight scales the KL term (1: the paper's; 0: a diagnostic departure).
-    logits (B, T, V); y, mask (B, T); reward (B,); z, z0 (N, d).
-    -> (loss, Δ, anchor) with Δ and anchor detached, for logging and the dual update."""
-    logits_s = logits_s.detach()
-    m = mask.to(torch.float32)
-    n = m.sum(-1).clamp(min=1)                                                  # (B,) agent tokens per rollout
-    kl = ((divergence(logits_s, logits_t, 'rkl', where=mask) * m).sum(-1) / n).mean()   # per rollout, then over rollouts
-    delta_t = token_logp(logits_t, y, mask) - token_logp(logits_s, y, mask)    # (B, T) δ_t
-    r = reward.to(delta_t.dtype)
-    A = margin_weight(r, centered, successes)                                    # (B,) A(τ)
-    delta_traj = A * (delta_t * m).sum(-1) / n                                  # (B,) A(τ)·mean_t δ_t
-    anchor = ((z - z0.detach()) ** 2).mean() if z.numel() else z.new_zeros(())  # nothing retrieved: no anchor
-    if relative and z.numel():
-        anchor = anchor / (z0.detach() ** 2).mean().clamp(min=1e-12)
-    loss = kl_weight * kl + beta * (margin - delta_traj.mean()) + lam * anchor
-    delta = (delta_traj * m.sum(-1)).sum() / m.sum().clamp(min=1)               # Δ weighted by tokens, for β
-    return loss, delta.detach(), anchor.detach()
+    The KL keeps the teacher close to the student (stable targets), the margin term makes the latents carry
+    reward-relevant information, the anchor keeps them near the cold-start latents. kind: margin_weight's;
+    kl_weight scales the KL term (1: the paper's; 0: a diagnostic departure). logits (B, T, V); y, mask (B, T);
+    reward (B,); z, z0 (N, d). -> (loss, Δ weighted by tokens for the dual step, ‖z − z0‖²), the last two detached."""
+    logits_s, w = logits_s.detach(), margin_weight(reward.to(torch.float32), kind)
+    logp_t, logp_s = token_logp(logits_t, y, mask), token_logp(logits_s, y, mask)
+    dist = anchor(z, z0, relative)
+    loss = kl_weight * composer_kl(logits_s, logits_t, mask) + beta * (margin - privileged_margin(logp_t, logp_s, mask, w)) \
+        + lam * dist
+    return loss, privileged_margin(logp_t, logp_s, mask, w, by_tokens=True).detach(), dist.detach()
 
 
 def drift(z, z0):

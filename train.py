@@ -176,85 +176,81 @@ def logits_of(run, model, prefixes, ids, attn):
 
 # ----------------------------------------------------------------------------- LOPD (Algorithm 1)
 
+def play(run, tasks):
+    """Step 1 for a training batch: rollout at the run's sampling flags, --decode_rows at a time (under
+    torchrun each rank plays its share, and every rank gets the whole batch)."""
+    a = run.args
+    return parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, temperature=a.temperature, top_k=a.top_k,
+                                                   top_p=a.top_p, rows=parallel.decode_rows(run, a.micro_batch)), tasks)
+
+
+def update(run, opt, loss, params):
+    """One update of θ or φ, spelled out: zero_grad, backward, clip the gradient's norm to 1, step; a loss or a
+    gradient that is not finite never reaches the weights (bk.skip, the NaN guard)."""
+    opt.zero_grad(set_to_none=True)
+    if not loss.requires_grad:                                                  # nothing depends on them (nothing retrieved)
+        return
+    if torch.isfinite(loss):
+        loss.backward()
+        if torch.isfinite(torch.nn.utils.clip_grad_norm_(params, 1.0)):
+            run.skips_in_a_row = 0
+            return opt.step()
+    bk.skip(run, opt, loss)
+
+
 def lopd_step(run):
-    """One step of LOPD (Algorithm 1), top to bottom. Where it departs from the authors' code
-    (bingreeky/LOPD), and why:
-      1. Scale: a 0.9M-parameter Llama trained here from scratch and a toy tool-use world, not
-         Qwen3-4B on EnvScaler; 16 rollouts a step, lr 3e-4 (theirs: 32, 1e-5; ours measured best).
-      2. The composer: one attention layer, K = 64 queries over the frozen base's reading of an
-         experience, whose values are the tokens' own input embeddings and whose query k starts on
-         token k (a copy); theirs is 8 passes of a shared attention + feed-forward block over 32
-         random queries, read from θ0 plus a trainable rank-8 LoRA encoder (ours: --reader trained).
-      3. The bank: base rollouts and the scripted expert's demos, successes only, written back as
-         we go (step 7), never this task itself, J = 1; theirs is built offline, kept static, keeps
-         failures (min reward 0), allows self-retrieval, J = 3.
-      4. The cold start: 150 steps at the student's lr 3e-4, composer only, on the bank's
-         successes; theirs: 1,000 steps at 1e-5 of the composer and the encoder's LoRA on an SFT set.
-      5. Distillation over the full vocabulary (theirs: the teacher's top-20 plus a tail bucket,
-         our --topk 20), AdamW without weight decay (theirs: the default 0.01).
-    Eqs. (1)-(3) and the dual step are theirs, weighted as theirs: in step 6 each rollout's KL and
-    A·δ are means over its own tokens, averaged over rollouts; β moves on Δ weighted by tokens."""
+    """One step of LOPD (Algorithm 1 of Zhang et al. 2026), top to bottom: eqs. (1)-(3) and the dual step as the
+    README writes them, w = 2r − 1. Where it departs from the authors' code (bingreeky/LOPD), and why: the
+    README's table of departures. Lines tagged (bookkeeping) time the phases; they are not the algorithm."""
     a, s, tok = run.args, run.state, run.tok
     tasks = run.rng.sample(run.env.train_tasks, a.batch)
-    train_phi = not a.freeze_composer                                          # step 6 on (the ablation: off)
+    train_phi = not a.freeze_composer                                           # step 6 on (the ablation: off)
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
-    with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        eps, bodies, masks = parallel.shared(run, lambda ts: rollout(run.model, tok, run.env, ts, temperature=a.temperature,
-                                                                      top_k=a.top_k, top_p=a.top_p,
-                                                                      rows=parallel.decode_rows(run, a.micro_batch)), tasks)
-        ids, amask, attn = M.pad_batch(bodies, masks, tok.pad, run.device)      # (B, T) each; amask = A
-        reward = torch.tensor([e.reward for e in eps], device=run.device)       # (B,) graded, in [0, 1]
+    eps, bodies, masks = play(run, tasks)
+    ids, A, attn = M.pad_batch(bodies, masks, tok.pad, run.device)              # (B, T) each
+    r = torch.tensor([e.reward for e in eps], device=run.device)                # (B,) graded, in [0, 1]
     run.episodes += len(eps)
-    with run.timer('teacher'):
-        # 2. retrieve: the top-J successful past trajectories of similar tasks (never this task itself)
-        found = retrieval.retrieve(run, tasks, other_family=a.retrieval == 'other')   # B lists of ≤ J experiences
-        # 3. compose: the frozen base reads each experience, φ maps the reading to K latents z, and
-        #    φ0 (the cold-start copy) to the anchor z0; they go where a text context goes:
-        #    <|bos|><|ctx|>past: z_1 \n … z_J \n  (None for a rollout with nothing retrieved)
-        z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)            # (ΣN·K, d) each
-        prefixes = retrieval.latent_prefixes(run, z, found)                     # B × (P_i, d) or None
-        keep = torch.tensor([p is not None for p in prefixes], device=run.device)  # (B,) no latents: no teacher
-        # 4. teacher phase: the frozen teacher scores every agent token of every rollout in one forward,
-        #    with φ's graph kept for step 6 (with LoRA, θ's step changes tensors that graph would hold:
-        #    step 6 scores again instead)
-        with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):
-            logits_t = logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)  # (B, T, V)
-    with run.timer('student'), M.train_mode(run.model):
-        # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t))
-        score = lambda: logits_of(run, run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn)
-        distill_mask = amask * keep[:, None].to(amask)                          # (B, T)
-        logits_s = score()                                                      # (B, T, V)
-        loss_distill = lopd.distill_loss(logits_s, logits_t, distill_mask, a.divergence or 'rkl', a.topk)
-        logits_s = logits_s.detach()                                            # θ's scores before its step, for step 6
-        bk.optimizer_step(run, run.opt, loss_distill, run.model)
-        for _ in range(a.epochs - 1):  # --epochs: more steps toward the same teacher scores
-            bk.optimizer_step(run, run.opt, lopd.distill_loss(score(), logits_t, distill_mask, a.divergence or 'rkl', a.topk),
-                              run.model)
-    with torch.no_grad():  # what success hides: does the student's entropy collapse?
-        entropy = lopd.mean_entropy(logits_s, amask).item()
-    logs = {'loss': loss_distill.item(), 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
-            'family_hit': retrieval.family_hit(run, eps, found)}
+    run.lap('rollout')                                                          # (bookkeeping)
+    # 2. retrieve: the top-J successful past trajectories of similar tasks (never this task itself)
+    found = retrieval.retrieve(run, tasks, other_family=a.retrieval == 'other')   # B lists of ≤ J experiences
+    # 3. compose: φ maps the frozen base's reading of each experience to K latents z (φ0, the cold start's, to z0)
+    z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)                # (ΣN·K, d) each
+    prefixes = retrieval.latent_prefixes(run, z, found)                         # B × <|bos|><|ctx|>past: z_1 \n … z_J \n
+    has_z = torch.tensor([p is not None for p in prefixes], device=run.device)  # (B,) no latents: no teacher
+    # 4. teacher phase: the frozen teacher π_θ0(·|z, x, y<t) scores every agent token in one forward, φ's graph kept
+    teacher_scores = lambda: logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)
+    with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):       # (LoRA: step 6 scores again)
+        logits_t = teacher_scores()                                             # (B, T, V)
+    run.lap('teacher')                                                          # (bookkeeping)
+    # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t)), one step of θ
+    with M.train_mode(run.model):
+        student_scores = lambda: logits_of(run, run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn)
+        L_distill = lambda logits_s: lopd.distill_loss(logits_s, logits_t, A * has_z[:, None], a.divergence or 'rkl', a.topk)
+        logits_s = student_scores()                                             # (B, T, V)
+        loss_distill = L_distill(logits_s)
+        update(run, run.opt, loss_distill, run.model.parameters())
+        for _ in range(a.epochs - 1):                                           # --epochs: more steps toward the same π_T
+            update(run, run.opt, L_distill(student_scores()), run.model.parameters())
+    logits_s, logs = logits_s.detach(), {}                                      # θ's scores before its step, for step 6
+    run.lap('student')                                                          # (bookkeeping)
+    # 6. composer phase, eq. (3): one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², Δ the margin (2)
     if train_phi:
-        with run.timer('composer'):
-            # 6. composer phase, eq. (3): KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², where the margin (2)
-            #    Δ = mean_τ A(τ)·mean_{t∈A}[log π_T(y_t|z, …) − sg log π_θ(y_t|…)], A = 2r − 1;
-            #    then the dual step β ← max(0, β + η_β(m − Δ))
-            k = keep
-            if M.is_lora(run.model):  # θ0 is θ's model with the adapter off: θ's step changed tensors that graph holds
-                logits_t = logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)
-            loss_phi, delta, anchor = lopd.composer_loss(logits_s[k], logits_t[k], ids[k], amask[k], reward[k], s['beta'],
-                                                         a.margin, a.lam, z, z0, centered=a.advantage == 'centered',
-                                                         relative=a.anchor == 'relative', successes=a.advantage == 'successes',
-                                                         kl_weight=a.kl_weight)
-            for g in s['opt_phi'].param_groups:  # --lr_composer acts after the setup (a cached one holds its own lr)
-                g['lr'] = lr_phi(run)
-            bk.optimizer_step(run, s['opt_phi'], loss_phi, retrieval.phi_params(s['composer'], s['reader']))
-            s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)
-        logs.update(delta=float(delta), anchor=float(anchor), drift=float(lopd.drift(z, z0)))
+        logits_t = teacher_scores() if M.is_lora(run.model) else logits_t      # (LoRA: θ's step changed what it held)
+        s_, t_, y, mask, w = logits_s[has_z], logits_t[has_z], ids[has_z], A[has_z], lopd.margin_weight(r[has_z], a.advantage)
+        logp_t, logp_s = lopd.token_logp(t_, y, mask), lopd.token_logp(s_, y, mask)   # log π_T^φ(y_t), log π_θ(y_t)
+        kl_term = a.kl_weight * lopd.composer_kl(s_, t_, mask)                  # KL(sg π_θ ‖ π_T^φ)
+        margin_term = s['beta'] * (a.margin - lopd.privileged_margin(logp_t, logp_s, mask, w))   # β(m − Δ)
+        anchor_term = a.lam * (dist := lopd.anchor(z, z0, relative=a.anchor == 'relative'))   # λ‖z − sg z0‖²
+        delta = lopd.privileged_margin(logp_t.detach(), logp_s, mask, w, by_tokens=True)   # Δ for β, weighted by tokens
+        bk.set_lr(s['opt_phi'], lr_phi(run))                                    # (bookkeeping) --lr_composer after a setup
+        update(run, s['opt_phi'], kl_term + margin_term + anchor_term, retrieval.phi_params(s['composer'], s['reader']))
+        s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)    # β ← max(0, β + η_β(m − Δ))
+        logs = dict(delta=float(delta), anchor=float(dist), drift=float(lopd.drift(z, z0)))
+        run.lap('composer')                                                     # (bookkeeping)
     # 7. write back: the successful rollouts join the bank
     retrieval.write_back(run, eps)
-    for key, v in logs.items():
-        run.log.setdefault(key, []).append(v)
+    run.record(loss=loss_distill.item(), reward=float(np.mean([e.reward for e in eps])), entropy=lopd.mean_entropy(logits_s, A).item(),
+               family_hit=retrieval.family_hit(run, eps, found), **logs)
     run.step += 1
 
 
@@ -467,6 +463,7 @@ def main(argv=None):
         while spent() < args.episodes and not guard.stop(run.device):                # the loop
             before = run.episodes
             with run.autocast():
+                run.lap()                                                          # a step's phases are timed from here
                 (run.method.step or train_step)(run)                               # lopd_step for LOPD
             bar.update(run.episodes - before)
             if run.step % args.eval_every == 0 or spent() >= args.episodes:

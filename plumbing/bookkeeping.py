@@ -127,6 +127,20 @@ class Run:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
+    def lap(self, key=None):
+        """The seconds since the last lap go to times[key]; lap() starts the clock (a step's phases, one line each)."""
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize()                                            # CUDA runs ahead of the host
+        now, last = time.time(), getattr(self, '_lap', None)
+        if key is not None and last is not None:
+            self.times[key] = self.times.get(key, 0.0) + now - last
+        self._lap = now
+
+    def record(self, **logs):
+        """A step's numbers, averaged into the next evaluation's line of metrics.jsonl."""
+        for k, v in logs.items():
+            self.log.setdefault(k, []).append(v)
+
     @contextlib.contextmanager
     def timer(self, key):
         sync = torch.cuda.synchronize if self.device.type == 'cuda' else lambda: None  # CUDA runs ahead of the host
@@ -358,7 +372,18 @@ def optimizer_step(run, opt, loss, module):
             opt.step()
             run.skips_in_a_row = 0
             return loss
-        opt.zero_grad(set_to_none=True)
+    return skip(run, opt, loss)
+
+
+def set_lr(opt, lr):
+    for g in opt.param_groups:
+        g['lr'] = lr
+
+
+def skip(run, opt, loss):
+    """The NaN guard: an update whose loss or gradient is not finite never reaches the weights; it is counted,
+    logged, and --max_skips of them in a row stop the run. -> the loss."""
+    opt.zero_grad(set_to_none=True)
     run.log['skipped'].append(1)
     run.skips_in_a_row += 1
     print(f'step {run.step + 1}: non-finite {"loss" if not torch.isfinite(loss) else "gradient"}, update skipped', file=sys.stderr)

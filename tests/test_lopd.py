@@ -333,18 +333,18 @@ def test_privileged_margin_matches_loop():
         mean_delta = sum((lt[b, t] - ls[b, t]).item() for t in range(T) if mask[b, t]) / n if n else 0.0
         want += (2 * reward[b].item() - 1) * mean_delta
     want /= B
-    assert lopd.privileged_margin(lt, ls, mask, reward).item() == pytest.approx(want, abs=1e-9)
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(reward)).item() == pytest.approx(want, abs=1e-9)
 
 
 def test_privileged_margin_sign_follows_reward():
     ls = torch.full((2, 3), -2.0)
     lt = torch.full((2, 3), -1.0)  # the teacher is more likely than the student
     mask = torch.ones(2, 3)
-    assert lopd.privileged_margin(lt, ls, mask, torch.tensor([1.0, 1.0])).item() == pytest.approx(1.0)
-    assert lopd.privileged_margin(lt, ls, mask, torch.tensor([0.0, 0.0])).item() == pytest.approx(-1.0)
-    assert lopd.privileged_margin(lt, ls, mask, torch.tensor([1.0, 0.0])).item() == pytest.approx(0.0)
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(torch.tensor([1.0, 1.0]))).item() == pytest.approx(1.0)
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(torch.tensor([0.0, 0.0]))).item() == pytest.approx(-1.0)
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(torch.tensor([1.0, 0.0]))).item() == pytest.approx(0.0)
     # teacher less likely than the student: a failure gives a positive margin
-    assert lopd.privileged_margin(ls, lt, mask, torch.tensor([0.0, 0.0])).item() == pytest.approx(1.0)
+    assert lopd.privileged_margin(ls, lt, mask, lopd.margin_weight(torch.tensor([0.0, 0.0]))).item() == pytest.approx(1.0)
 
 
 def test_dual_update():

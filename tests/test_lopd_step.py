@@ -114,3 +114,16 @@ def test_one_phi_step_at_the_papers_lr_moves_the_latents_under_bf16(checkpoint):
         after = [p for p in retrieval.latent_prefixes(run, z1, found) if p is not None]
     assert (z1 != z.detach()).float().mean() > 0.5                             # most of the latents' entries moved
     assert any((a != b).any() for a, b in zip(after, before))                  # and the teacher reads them
+
+
+def test_the_step_reads_in_fifty_lines_with_eq_3_as_three_terms():
+    """lopd_step is the algorithm: its body (docstring aside, blank lines aside) is at most 50 lines, and eq. (3)
+    is written in it as three named terms summed in one line, beside the margin Δ that β moves on."""
+    import ast
+    import inspect
+    src = inspect.getsource(train.lopd_step)
+    fn = ast.parse(src).body[0]
+    lines = src.splitlines()[fn.body[1].lineno - 1:]
+    assert len([l for l in lines if l.strip()]) <= 50
+    assert "kl_term + margin_term + anchor_term" in src and "lopd.dual_update" in src
+    assert "lopd.privileged_margin" in src and "lopd.composer_loss" not in src

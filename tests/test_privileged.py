@@ -142,21 +142,21 @@ def test_latent_frame_puts_latents_where_the_text_context_puts_each_experience(t
 
 
 def test_centered_margin_by_hand():
-    # two rows, one agent token each: δ = [0.5, −0.25]; r = [1, 0], mean r = 0.5 -> A = [0.5, −0.5]
+    # two rows, one agent token each: δ = [0.5, −0.25]; r = [1, 0], mean r = 0.5 -> w = [0.5, −0.5]
     lt, ls = torch.tensor([[-1.0], [-2.25]]), torch.tensor([[-1.5], [-2.0]])
     mask, r = torch.ones(2, 1), torch.tensor([1.0, 0.0])
-    assert lopd.privileged_margin(lt, ls, mask, r, centered=True).item() == pytest.approx((0.5 * 0.5 + 0.5 * 0.25) / 2)
-    assert lopd.privileged_margin(lt, ls, mask, r).item() == pytest.approx((0.5 + 0.25) / 2)  # A = 2r − 1
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(r, 'centered')).item() == pytest.approx((0.5 * 0.5 + 0.5 * 0.25) / 2)
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(r)).item() == pytest.approx((0.5 + 0.25) / 2)  # w = 2r − 1
     # a batch of equal rewards: the centred margin is 0 whatever the teacher does
-    assert lopd.privileged_margin(lt, ls, mask, torch.ones(2), centered=True).item() == 0.0
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(torch.ones(2), 'centered')).item() == 0.0
 
 
 def test_a_margin_on_successes_only_by_hand():
     # δ = [0.5, −0.25, 0.1]; r = [1, 0, 0.75] -> w⁺ = max(0, 2r − 1) = [1, 0, 0.5]: the failure carries no weight
     lt, ls = torch.tensor([[-1.0], [-2.25], [-1.0]]), torch.tensor([[-1.5], [-2.0], [-1.1]])
     mask, r = torch.ones(3, 1), torch.tensor([1.0, 0.0, 0.75])
-    assert lopd.privileged_margin(lt, ls, mask, r, successes=True).item() == pytest.approx((0.5 + 0.5 * 0.1) / 3)
-    assert lopd.margin_weight(r, successes=True).tolist() == [1.0, 0.0, 0.5]
+    assert lopd.privileged_margin(lt, ls, mask, lopd.margin_weight(r, 'successes')).item() == pytest.approx((0.5 + 0.5 * 0.1) / 3)
+    assert lopd.margin_weight(r, 'successes').tolist() == [1.0, 0.0, 0.5]
 
 
 def test_the_kl_weight_scales_the_kl_term_only():

@@ -238,7 +238,9 @@ class FakeRun:
         self.args = train.parse_args([])
 
 
-def test_a_non_finite_gradient_with_a_finite_loss_is_skipped():
+@pytest.mark.parametrize("update", ["bk.optimizer_step", "train.update"])   # the baselines' update; LOPD's, spelled out
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(update):
+    step = bk.optimizer_step if update == "bk.optimizer_step" else lambda run, opt, loss, m: train.update(run, opt, loss, m.parameters())
     model = torch.nn.Linear(2, 1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     run = FakeRun(model)
@@ -246,11 +248,13 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped():
     x = torch.zeros(1, 2)
     loss = torch.sqrt(model(x).abs() * 0)[0, 0]  # = 0, but d sqrt(u)/du at 0 is inf
     assert math.isfinite(loss.item())
-    bk.optimizer_step(run, opt, loss, model)
+    step(run, opt, loss, model)
     assert run.log["skipped"] == [1]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    bk.optimizer_step(run, opt, (model(x + 1) ** 2).sum(), model)  # a good step goes through
-    assert run.log["skipped"] == [1] and run.skips_in_a_row == 0
+    step(run, opt, loss * float("nan"), model)                                  # a non-finite loss: skipped too
+    assert run.log["skipped"] == [1, 1] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    step(run, opt, (model(x + 1) ** 2).sum(), model)  # a good step goes through
+    assert run.log["skipped"] == [1, 1] and run.skips_in_a_row == 0
     assert not torch.equal(before["bias"], model.state_dict()["bias"])
 
 
