@@ -33,9 +33,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+import lopd
 import model as M
 from plumbing.bookkeeping import arg
-from plumbing.registry import Prefixes
+from plumbing.registry import DISTILL_FLAGS, Prefixes
 
 
 FORMAT_VERSION = 1  # bumped if the saved layout changes, so old files fail loudly
@@ -383,3 +384,40 @@ def write_back(run, eps):
 def family_hit(run, eps, found):
     """Diagnostic: the fraction of retrieved experiences from the query's own family (training only)."""
     return run.state['bank'].family_hit_rate([e.task.family for e in eps], found)
+
+
+# ----------------------------------------------------------------------------- LOPD's flags (train.lopd_step reads them)
+
+FROZEN = 'freeze_composer'  # the flags of step 6 act only without it
+LOPD_FLAGS = {**DISTILL_FLAGS, **BANK_FLAGS,
+    'K': arg(64, 'latent tokens per retrieved experience (64: more than a tool-use experience has tokens; the paper: 32)',
+             lo=1),
+    'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
+                    "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
+                    "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
+    'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, unless=FROZEN),
+    'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, unless=FROZEN),
+    'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
+                  after_setup=True, unless=FROZEN),
+    'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, unless=FROZEN),
+    'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, "
+                       "measured worse on one base)", lo=0, after_setup=True,
+                       unless=FROZEN),
+    'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
+    'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '
+                            'whose latents start as the experience\'s embeddings)', lo=0),
+    'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of the bank's successes "
+                      "given their latents; text = the teacher reading the latents matches it reading the same "
+                      "experiences as text", choices=['nll', 'text']),
+    'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
+                             choices=['balanced', 'stored']),
+    'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
+                  choices=['frozen', 'trained']),
+    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch, successes = "
+                     "max(0, 2r − 1) (a departure: a margin on successes only)", choices=['paper', 'centered', 'successes'],
+                     after_setup=True, unless=FROZEN),
+    'kl_weight': arg(1.0, "weight of eq. (3)'s KL term (1 = the paper's; 0 = a diagnostic: is it the KL or the drift "
+                     "that costs a fast-moving φ its points?)", lo=0, after_setup=True, unless=FROZEN),
+    'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
+                           "(no margin, no β)", after_setup=True)
+}

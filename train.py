@@ -36,17 +36,18 @@ import model as M
 import retrieval
 import warmup
 from plumbing import bookkeeping as bk
-from plumbing import assemble, config, parallel
+from plumbing import assemble, config, evaluation, parallel
 from plumbing.bookkeeping import arg
-from plumbing.registry import DISTILL_FLAGS, METHODS, Batch, Method, Teacher, distill, embed_context, register, with_default
+from plumbing.registry import METHODS, Batch, Method, Teacher, distill, embed_context, register, with_default
 
 CODE = bk.CODE
-RUN, MODEL = 'the run', 'the model and the warm-up'
+RUN = config.RUN
 
 
 @dataclass
-class Args:
-    """The run, the model and the warm-up. LOPD's own flags are LOPD_FLAGS below; a baseline's are in its block in plugins/."""
+class Args(config.ModelArgs):
+    """The run; the model's and the warm-up's flags are config.ModelArgs', LOPD's own retrieval.LOPD_FLAGS, a
+    baseline's in its block in plugins/."""
     method: str = arg('lopd', 'the method: lopd (lopd_step below), or a baseline or variant (plugins/)', choices=lambda: list(METHODS),
                       group=RUN)
     env: str = arg('tooluse', 'environment', choices=lambda: list(envs.ENVS), group=RUN)
@@ -80,42 +81,6 @@ class Args:
                             group=RUN)
     max_skips: int = arg(5, 'stop after this many updates in a row with a non-finite loss or gradient', lo=1,
                          after_setup=True, group=RUN)
-    model: str = arg('', "a transformers causal LM: hub name, folder, or .gguf file (its quantized weights are dequantized "
-                     "to --dtype and LoRA trains on top of them); a chat model is told the task in its system turn "
-                     "('' = the offline tiny Llama)", group=MODEL)
-    lora_r: int = arg(-1, 'rank of the LoRA adapter that trains (0 = every weight trains; -1 = 16 with --model, '
-                      '0 for the tiny model)', lo=-1, group=MODEL)
-    score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
-                           '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
-    micro_batch: int = arg(-1, 'rows per forward, and per backward, in every scoring and training phase (teacher, student, '
-                           'composer, warm-up, cold start), and decoded at once off CUDA (--decode_rows): memory grows with '
-                           'it, not with --batch or --warmup_batch (0 = a phase\'s whole batch; the warm-up 16, the cold start '
-                           '32 rows; -1 = 4 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
-    decode_rows: int = arg(-1, 'rows decoded at once in rollouts, evaluation and a bank\'s or pool\'s fill (the KV cache '
-                           'grows with it; --micro_batch bounds the rest): -1 = on CUDA all that fit half the free memory, '
-                           'elsewhere --micro_batch\'s (evaluation 128, a fill 64); 0 = a whole batch', lo=-1, group=MODEL)
-    grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass, layer by layer "
-                          "(θ's, and the frozen teacher's where it holds φ's graph)",
-                          after_setup=True, group=MODEL)
-    export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
-                      after_setup=True, group=MODEL)
-    d_model: int = arg(128, 'tiny Llama width', lo=1, group=MODEL)
-    n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
-    bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
-                          '(0 = plain bytes)', lo=0, group=MODEL)
-    warmup_steps: int = arg(800, 'supervised warm-up steps on noisy-expert demos (tool use: reading a context forms after ~500; codegen: 500)', lo=0, group=MODEL)
-    warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
-                             'measured)', lo=1, group=MODEL)
-    warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
-    warmup_gate: float = arg(0.15, "after the cosine, more steps at 30%% of --warmup_lr while the base plays fewer than "
-                             "this fraction more of 1,024 demos with a past experience's plan shown than without (a base "
-                             "that does not read yet: its teacher would know nothing more; 0 = never, 1 = always)",
-                             lo=0, hi=1, group=MODEL)
-    warmup_tail: float = arg(0.5, "the most steps --warmup_gate adds, as a fraction of --warmup_steps", lo=0, group=MODEL)
-    warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
-    warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
-                            '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
-                            group=MODEL)
 
 
 def config_class():
@@ -165,7 +130,6 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
                 bodies[i] += o
                 masks[i] += [0] * len(o)                                        # observations get no loss
     return eps, bodies, masks
-
 
 
 def logits_of(run, model, prefixes, ids, attn):
@@ -245,7 +209,7 @@ def lopd_step(run):
         bk.set_lr(s['opt_phi'], lr_phi(run))                                    # (bookkeeping) --lr_composer after a setup
         update(run, s['opt_phi'], kl_term + margin_term + anchor_term, retrieval.phi_params(s['composer'], s['reader']))
         s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)    # β ← max(0, β + η_β(m − Δ))
-        logs = dict(delta=float(delta), anchor=float(dist), drift=float(lopd.drift(z, z0)))
+        logs = dict(delta=delta.item(), anchor=dist.item(), drift=lopd.drift(z, z0).item())
         run.lap('composer')                                                     # (bookkeeping)
     # 7. write back: the successful rollouts join the bank
     retrieval.write_back(run, eps)
@@ -278,55 +242,9 @@ def lopd_context(run, eps):
     return retrieval.latents(run, eps, grad=False, found=found)
 
 
-FROZEN = 'freeze_composer'  # the flags of step 6 act only without it
-LOPD_FLAGS = {**DISTILL_FLAGS, **retrieval.BANK_FLAGS,
-    'K': arg(64, 'latent tokens per retrieved experience (64: more than a tool-use experience has tokens; the paper: 32)',
-             lo=1),
-    'composer': arg('qformer-copy', "φ: mlp = an MLP on the means of K segments of the reader's states; qformer = K learned "
-                    "queries attending over them (the paper's); qformer-copy = the same, query k starting on the experience's "
-                    "k-th token (its latents start as the experience's embeddings)", choices=list(lopd.COMPOSERS)),
-    'margin': arg(0.05, 'privileged margin m (0 = ablation)', lo=0, after_setup=True, unless=FROZEN),
-    'lam': arg(0.2, 'anchor weight λ on ‖z − z0‖²', lo=0, after_setup=True, unless=FROZEN),
-    'anchor': arg('absolute', "‖z − z0‖² as the paper's (absolute), or relative to ‖z0‖²", choices=['absolute', 'relative'],
-                  after_setup=True, unless=FROZEN),
-    'eta_beta': arg(0.5, 'dual step size η_β for the margin multiplier β', lo=0, after_setup=True, unless=FROZEN),
-    'lr_composer': arg(1e-5, "composer-phase learning rate (the paper's lr_φ; 0 = the student's, "
-                       "measured worse on one base)", lo=0, after_setup=True,
-                       unless=FROZEN),
-    'lr_cold_start': arg(0.0, "cold-start learning rate (0 = the student's)", lo=0),
-    'cold_start_steps': arg(150, 'composer pre-training steps (the paper: 1,000; 0: the copy-started composer, '
-                            'whose latents start as the experience\'s embeddings)', lo=0),
-    'cold_start': arg('nll', "cold start objective: nll = the paper's, the teacher's NLL of the bank's successes "
-                      "given their latents; text = the teacher reading the latents matches it reading the same "
-                      "experiences as text", choices=list(warmup.COLD_STARTS)),
-    'cold_start_sample': arg('balanced', "cold start: draw the bank's rollouts family-balanced, or as stored",
-                             choices=['balanced', 'stored']),
-    'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
-                  choices=['frozen', 'trained']),
-    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch, successes = "
-                     "max(0, 2r − 1) (a departure: a margin on successes only)", choices=['paper', 'centered', 'successes'],
-                     after_setup=True, unless=FROZEN),
-    'kl_weight': arg(1.0, "weight of eq. (3)'s KL term (1 = the paper's; 0 = a diagnostic: is it the KL or the drift "
-                     "that costs a fast-moving φ its points?)", lo=0, after_setup=True, unless=FROZEN),
-    'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
-                           "(no margin, no β)", after_setup=True)
-}
-
 register('lopd', Method(
     distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
-    state=lopd_state, setup=warmup.cold_start, step=lopd_step, flags=LOPD_FLAGS,
-    bench={'lopd': dict(knob=['--cold_start_steps', '300'], cost=350, quick=True),
-           'lopd-frozen': dict(flags=['--freeze_composer'], cost=280, quick=True),
-           'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True),
-           # the ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
-           'lopd-m0.2': dict(flags=['--margin', '0.2'], cost=350),
-           'lopd-centered': dict(flags=['--advantage', 'centered'], cost=350),
-           'lopd-k16': dict(flags=['--K', '16'], cost=280),
-           'lopd-j3': dict(flags=['--J', '3'], cost=300),
-           'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),
-           'lopd-self': dict(flags=['--allow_same_task'], cost=280),
-           'lopd-offline': dict(flags=['--setup_free'], cost=300),
-           'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}), first=True)
+    state=lopd_state, setup=warmup.cold_start, step=lopd_step, flags=retrieval.LOPD_FLAGS), first=True)  # its bench entries: bench/entries.py
 
 
 # ----------------------------------------------------------------------------- the baselines' step
@@ -386,45 +304,10 @@ def train_step(run):
     run.step += 1
 
 
-
-# ----------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
 def evaluate(run):
-    """Held-out graded reward and success: greedy, and sampled at temperature 0.7 as the paper
-    evaluates (--eval_samples per task), the student alone, no privileged context; per family, and
-    per task (for intervals over tasks). Plus the teacher's own reward when it decodes with its
-    context (does the context carry information?)."""
-    a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
-    rows = parallel.decode_rows(run, a.micro_batch or 128)                      # decoded at once: the KV cache's rows
-    play = lambda ts, **kw: parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
-    with run.timer('eval'):
-        eps = play(tasks, greedy=True)
-        out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
-        out['family'], out['actions'] = envs.by_family(eps), envs.action_stats(run.env, eps)
-        out['task_reward'] = [round(e.reward, 4) for e in eps]
-        if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
-            with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
-                torch.manual_seed(10_000 * a.seed + run.step)
-                sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
-            r = np.array([e.reward for e in sampled]).reshape(len(tasks), a.eval_samples)
-            out.update(reward_sampled=float(r.mean()), success_sampled=float(np.mean([e.success for e in sampled])),
-                       task_reward_sampled=[round(float(x), 4) for x in r.mean(1)])
-        if run.method.context and a.teacher_eval:
-            tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
-            out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
-            out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
-            prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
-            teps = parallel.shared(run, lambda ix: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in ix], greedy=True,
-                                                           prefixes=[prefixes[i] for i in ix], rows=rows)[0], list(range(len(tasks))))
-            out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
-            out['task_teacher_reward'] = [round(e.reward, 4) for e in teps]
-            out['teacher_success'] = float(np.mean([e.success for e in teps]))
-    return bk.log_eval(run, out)
-
-
-EVAL_TEMPERATURE = 0.7  # the paper's evaluation temperature
-
+    """Held-out reward and success, greedy and sampled, per family and per task; the teacher's own with its
+    context beside its student's on the same tasks (plumbing/evaluation.py)."""
+    return evaluation.evaluate(run, rollout)
 
 
 # ----------------------------------------------------------------------------- main
@@ -485,7 +368,6 @@ def main(argv=None):
         print(f'interrupted at step {run.step}; checkpoint saved; continue with --resume {run.dir}')
         sys.exit(130)
     print(bk.summarize(run))
-
 
 
 # ----------------------------------------------------------------------------- the plugins

@@ -14,6 +14,19 @@ from plumbing.registry import METHODS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
 
 
+# LOPD's entry and its ablation grid (one alternative per knob: the margin sweep is m = 0, 0.05, 0.2) and the control
+METHODS['lopd'].bench = {
+    'lopd': dict(knob=['--cold_start_steps', '300'], cost=350, quick=True),
+    'lopd-frozen': dict(flags=['--freeze_composer'], cost=280, quick=True),
+    'lopd-m0': dict(flags=['--margin', '0'], cost=350, quick=True),
+    'lopd-m0.2': dict(flags=['--margin', '0.2'], cost=350),
+    'lopd-centered': dict(flags=['--advantage', 'centered'], cost=350),
+    'lopd-k16': dict(flags=['--K', '16'], cost=280),
+    'lopd-j3': dict(flags=['--J', '3'], cost=300),
+    'lopd-textcs': dict(flags=['--cold_start', 'text'], cost=300),
+    'lopd-self': dict(flags=['--allow_same_task'], cost=280),
+    'lopd-offline': dict(flags=['--setup_free'], cost=300),
+    'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}
 # entry -> train.py flags: every method's own entry first, then the ablations (Method.bench of each registered method)
 _BENCH = sorted(((e, name, b) for name, m in METHODS.items() for e, b in m.bench.items()),
                 key=lambda x: x[0] not in METHODS)

@@ -7,14 +7,58 @@ import argparse
 import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
 import envs
 from plumbing import bookkeeping as bk
 from plumbing import parallel
-from plumbing.bookkeeping import die
+from plumbing.bookkeeping import arg, die
 from plumbing.registry import METHODS, readers
+
+RUN, MODEL = 'the run', 'the model and the warm-up'   # -h's first two groups, in this order
+
+
+@dataclass
+class ModelArgs:
+    """The model and the warm-up that builds the base: what train.Args adds to them is the run."""
+    model: str = arg('', "a transformers causal LM: hub name, folder, or .gguf file (its quantized weights are dequantized "
+                     "to --dtype and LoRA trains on top of them); a chat model is told the task in its system turn "
+                     "('' = the offline tiny Llama)", group=MODEL)
+    lora_r: int = arg(-1, 'rank of the LoRA adapter that trains (0 = every weight trains; -1 = 16 with --model, '
+                      '0 for the tiny model)', lo=-1, group=MODEL)
+    score_chunk: int = arg(-1, 'positions per chunk through the LM head when scoring (0 = the whole batch at once; '
+                           '-1 = 256 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    micro_batch: int = arg(-1, 'rows per forward, and per backward, in every scoring and training phase (teacher, student, '
+                           'composer, warm-up, cold start), and decoded at once off CUDA (--decode_rows): memory grows with '
+                           'it, not with --batch or --warmup_batch (0 = a phase\'s whole batch; the warm-up 16, the cold start '
+                           '32 rows; -1 = 4 with --model, 0 for the tiny model)', lo=-1, group=MODEL)
+    decode_rows: int = arg(-1, 'rows decoded at once in rollouts, evaluation and a bank\'s or pool\'s fill (the KV cache '
+                           'grows with it; --micro_batch bounds the rest): -1 = on CUDA all that fit half the free memory, '
+                           'elsewhere --micro_batch\'s (evaluation 128, a fill 64); 0 = a whole batch', lo=-1, group=MODEL)
+    grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass, layer by layer "
+                          "(θ's, and the frozen teacher's where it holds φ's graph)",
+                          after_setup=True, group=MODEL)
+    export: str = arg('', 'write a run folder\'s student as a transformers model (LoRA merged) to <run>/export, then exit',
+                      after_setup=True, group=MODEL)
+    d_model: int = arg(128, 'tiny Llama width', lo=1, group=MODEL)
+    n_layer: int = arg(4, 'tiny Llama depth', lo=1, group=MODEL)
+    bpe_merges: int = arg(256, 'BPE merges of the tiny model\'s tokenizer, learned offline from the environment\'s text '
+                          '(0 = plain bytes)', lo=0, group=MODEL)
+    warmup_steps: int = arg(800, 'supervised warm-up steps on noisy-expert demos (tool use: reading a context forms after ~500; codegen: 500)', lo=0, group=MODEL)
+    warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
+                             'measured)', lo=1, group=MODEL)
+    warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
+    warmup_gate: float = arg(0.15, "after the cosine, more steps at 30%% of --warmup_lr while the base plays fewer than "
+                             "this fraction more of 1,024 demos with a past experience's plan shown than without (a base "
+                             "that does not read yet: its teacher would know nothing more; 0 = never, 1 = always)",
+                             lo=0, hi=1, group=MODEL)
+    warmup_tail: float = arg(0.5, "the most steps --warmup_gate adds, as a fraction of --warmup_steps", lo=0, group=MODEL)
+    warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
+    warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
+                            '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
+                            group=MODEL)
 
 
 def config_class(Args):
@@ -37,7 +81,7 @@ def parse_args(Args, argv=None, description=''):
     argv = sys.argv[1:] if argv is None else list(argv)
     Config = config_class(Args)
     p = Parser(description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    groups = {}
+    groups = {t: p.add_argument_group(t) for t in (RUN, MODEL)}
     for f in dataclasses.fields(Config):
         title = f.metadata['group'] or 'only for ' + ', '.join(readers(f.name))
         g = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))

@@ -90,3 +90,18 @@ def test_arrows_point_into_the_core():
             assert not {d for d in deps if d.startswith("bench")}, m
         if m.startswith("plumbing") or (m + ".py" in TOP and m != "train"):
             assert not {d for d in deps if d.startswith("plugins")}, m
+
+
+# what plumbing/ may import from the core: what sits under the algorithm (the model, its math, the environments);
+# assemble, which builds a run, also the warm-up that builds its base
+UNDER_THE_ALGORITHM = {"model", "lopd", "tokenizer", "envs"}
+BUILDS_A_RUN = {"plumbing.assemble": {"warmup"}}
+
+
+def test_plumbing_sits_below_the_algorithm():
+    """plumbing/ imports nothing above the model: not train.py, not the bank and the composer (retrieval.py),
+    not the warm-up or the cold start (warmup.py), which are algorithm, except where a run is assembled."""
+    for m, deps in graph().items():
+        if m.startswith("plumbing"):
+            core = {d for d in deps if not d.startswith("plumbing")}
+            assert core <= UNDER_THE_ALGORITHM | BUILDS_A_RUN.get(m, set()), (m, core)
