@@ -107,3 +107,40 @@ def test_the_readme_fork_example_is_the_tested_variant():
     variant = open(os.path.join(root, "tests", "fork_variant.py")).read()
     assert block.strip() == variant[variant.index("import train"):].strip()
     assert len(variant.splitlines()) <= 25
+
+
+def test_a_fork_of_lopds_own_step(tmp_path, base_in, capsys):
+    """tests/fork_lopd_step.py copies train.lopd_step whole, changes one line of block 6 (w centred on the batch)
+    and registers it with `step=`. The copy is faithful: with LOPD's own w centred too (--advantage centered) both
+    take the same two steps from one checkpoint, θ, φ and β bit for bit; with the paper's w, φ's second step
+    differs (β is 0 at the first); --compare's paired interval is printed."""
+    import importlib
+    import fork_lopd_step
+    importlib.reload(fork_lopd_step)                                            # registers lopd-centred-w
+    try:
+        out = base_in(tmp_path)
+        os.makedirs(out / "ck")
+        flags = ["--method", "lopd", "--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", "--init_episodes", "32",
+                 "--cold_start_steps", "2", "--lr_composer", "1e-3", *TINY_BASE, "--out_dir", str(out), "--name", "ck"]
+        train.build(train.parse_args(flags))
+        capsys.readouterr()
+        ck = str(out / "ck")
+        state = lambda run: ([p.detach().clone() for p in run.model.parameters()],
+                             [p.detach().clone() for p in run.state["composer"].parameters()], run.state["beta"])
+        same = []
+        for name in ("lopd", "lopd-centred-w"):
+            run = train.load_run(ck)
+            run.args.advantage = "centered"
+            for _ in range(2):
+                run.lap()
+                registry.METHODS[name].step(run)
+            same.append(state(run))
+        (t0, f0, b0), (t1, f1, b1) = same
+        assert all(torch.equal(p, q) for p, q in zip(t0, t1)) and all(torch.equal(p, q) for p, q in zip(f0, f1)) and b0 == b1
+        runs, gap = fork_lopd_step.compare(ck, steps=2, tasks=8)
+        f0, f1 = ([p.detach() for p in r.state["composer"].parameters()] for r in runs)
+        assert not all(torch.equal(p, q) for p, q in zip(f0, f1))
+        printed = capsys.readouterr().out
+        assert "lopd-centred-w − lopd after 2 steps" in printed and gap[1] <= gap[0] <= gap[2], printed
+    finally:
+        registry.METHODS.pop("lopd-centred-w", None)
