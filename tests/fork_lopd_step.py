@@ -98,7 +98,7 @@ def compare(checkpoint, steps=8, tasks=100, methods=('lopd', 'lopd-centred-w'), 
         rewards.append([e.reward for e in eps])
     gap = bk.paired_gap(rewards[1], rewards[0])
     if not quiet:
-        print(f'{methods[1]} − {methods[0]} after {steps} steps from {checkpoint}, paired on {tasks} held-out tasks: '
+        print(f'{methods[1]} − {methods[0]} after {steps} steps from {os.path.basename(checkpoint.rstrip(os.sep))}, paired on {tasks} held-out tasks: '
               f'{gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]')
     return runs, gap
 

@@ -142,7 +142,8 @@ def facts_04(out):
 
 def facts_05(out):
     """The new method registers, its teacher gap is measured beside OPSD's and LOPD's with the same two
-    controls, LOPD's gap excludes 0 and beats its donor control, and the short run reports its change."""
+    controls, LOPD's gap excludes 0 and beats its donor control, the short run reports its change, and the
+    fork of LOPD's step runs from LOPD's checkpoint beside it, with a paired interval."""
     assert "registered: True" in out
     rows = dict((name, tuple(map(float, g))) for name, *g in re.findall(r"^(\S+)\s+[\d.]+\s+" + INTERVAL + r"$", out, re.M))
     for m in ["two-donors", "opsd", "lopd"]:
@@ -151,6 +152,7 @@ def facts_05(out):
     assert rows["two-donors"][1] > 0 and rows["two-donors"][0] <= rows["two-donors-donor"][0] + 0.02, rows  # the prose's reading
     assert rows["opsd"][0] - rows["opsd-donor"][0] > rows["two-donors"][0] - rows["two-donors-donor"][0], rows
     assert re.search(r"student: [\d.]+ -> [\d.]+ after \d+ episodes: " + INTERVAL, out)
+    assert re.search(r"lopd-centred-w − lopd after 8 steps from \S+, paired on 100 held-out tasks: " + INTERVAL, out)  # the fork
 
 
 FACTS = {"01_environments_and_rollouts.ipynb": facts_01, "02_on_policy_self_distillation.ipynb": facts_02,
