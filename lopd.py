@@ -169,7 +169,7 @@ class Composer(nn.Module):
 
     def from_reading(self, pooled):
         """The MLP alone, on readings already pooled into K segments: (N, K, d) -> z (N, K, d).
-        A frozen reading does not change, so it can be pooled once and reused (warmup.cold_start)."""
+        A frozen reading does not change, so it can be pooled once and reused (retrieval.cold_start)."""
         return self.mlp(pooled)
 
 

@@ -9,10 +9,10 @@ seven numbered blocks, one rollout per task (G = 1):
   5. student phase   one step of θ on eq. (1), L_distill = mean_{t∈A} KL(π_θ ‖ sg π_T)
   6. composer phase  one step of φ on eq. (3) with the margin (2); β ← max(0, β + η_β(m − Δ))
   7. write back      new successful rollouts go into the bank
-Before step 1, once (warmup.py): the warm-up (cached under runs/, shared by every method) and
-LOPD's cold start (fill the bank, counted toward the episode budget; pre-train φ).
+Before step 1, once: the warm-up (warmup.py; cached under runs/, shared by every method) and
+LOPD's cold start (retrieval.py: fill the bank, counted toward the episode budget; pre-train φ).
 
-The math is lopd.py, the bank and the composer's reading retrieval.py, the model's scoring
+The math is lopd.py, the bank, the composer's reading and the cold start retrieval.py, the model's scoring
 model.py. The baselines (plugins/) take `train_step`, a generic step of the same shape:
 rollout -> their teacher's context -> teacher phase -> student phase on their loss. Building a run,
 checkpoints, caches, devices and the command line are plumbing/.
@@ -34,7 +34,6 @@ import envs
 import lopd
 import model as M
 import retrieval
-import warmup
 from plumbing import bookkeeping as bk
 from plumbing import assemble, config, evaluation, parallel
 from plumbing.bookkeeping import arg
@@ -244,7 +243,7 @@ def lopd_context(run, eps):
 
 register('lopd', Method(
     distill, context=lopd_context, teacher='frozen', group=1, lr=3e-4,  # 1e-3's first Adam step costs the student 25 points
-    state=lopd_state, setup=warmup.cold_start, step=lopd_step, flags=retrieval.LOPD_FLAGS), first=True)  # its bench entries: bench/entries.py
+    state=lopd_state, setup=retrieval.cold_start, step=lopd_step, flags=retrieval.LOPD_FLAGS), first=True)  # its bench entries: bench/entries.py
 
 
 # ----------------------------------------------------------------------------- the baselines' step

@@ -11,7 +11,6 @@ LOPD's cold start (cold_start, at the end): base rollouts fill the experience ba
 the episode budget), then φ is pre-trained on the paper's objective, the frozen teacher's NLL of the
 bank's successes given the latents composed from their retrieved experiences.
 """
-import functools
 import hashlib
 import json
 import math
@@ -28,8 +27,6 @@ import model as M
 import retrieval
 import tokenizer
 from plumbing import bookkeeping as bk
-from plumbing import parallel
-from plumbing.registry import with_default
 from retrieval import experiences_text
 
 WARMUP_THREADS = 2
@@ -350,129 +347,3 @@ def merges(args, env):
     except OSError:
         pass
     return ranks
-
-
-# ----------------------------------------------------------------------------- LOPD's cold start
-
-def fill_bank(run, rollout):
-    """Before training: base rollouts fill the bank (they count toward the budget). -> all of them,
-    and the expert's demos it added, as (episode, body, agent mask)."""
-    a, rows = run.args, []
-    n = max(a.batch, 64)  # no gradient here: a bigger batch only decodes faster
-    for i in tqdm(range(0, a.init_episodes, n), desc='fill bank', dynamic_ncols=True):
-        with run.timer('rollout'):
-            tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
-            if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
-                eps, bodies, masks = expert_demos(run, tasks)
-            else:
-                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks, rows=parallel.decode_rows(run, 0))
-                if a.bank_source == 'pool':  # the expert covers the tasks the base failed
-                    d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
-                    eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]
-        run.episodes += len(tasks)  # the pool's demos of failed tasks are free, as OPSD's pool's are
-        retrieval.write_back(run, eps)
-        rows += list(zip(eps, bodies, masks))
-    return rows
-
-
-def expert_demos(run, tasks):
-    """The scripted expert's demo of each task, played out: -> (episodes, bodies, agent masks)."""
-    eps = [envs.play(run.env, t, run.env.demo(t, random.Random(0))) for t in tasks]
-    encoded = [M.encode_episode(run.tok, e) for e in eps]
-    return eps, [body for body, _ in encoded], [mask for _, mask in encoded]
-
-
-def balanced_sample(rng, rows, n):
-    """n rows drawn family first (uniform over the families present), then a row of that family:
-    the base's successes are mostly families it already solves, and the rare ones must not drown."""
-    by = {}
-    for r in rows:
-        by.setdefault(r[0].task.family, []).append(r)
-    fams = sorted(by)
-    return [rng.choice(by[rng.choice(fams)]) for _ in range(n)]
-
-
-def cold_start_nll(run, ctx, ids, amask, attn):
-    """The paper's cold start: the frozen teacher's NLL of successful trajectories given the latents
-    composed from their retrieved experiences. -> (B, T) per token, and the tokens it is averaged over."""
-    keep = torch.tensor([p is not None for p in ctx], device=run.device)
-    logits_t = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    mask = amask * keep[:, None].to(amask)
-    return -lopd.token_logp(logits_t, ids, mask), mask
-
-
-def cold_start_text(run, ctx, ids, amask, attn):
-    """Text-to-latent distillation: the latents must make the teacher act as the same retrieved
-    experiences shown as text do, KL(π_θ0(·|experiences as text) ‖ π_θ0(·|latents)) on every
-    agent token of any stored rollout, success or failure (the text teacher knows the right
-    next call after a wrong one too). -> (B, T) per token, and the tokens it is averaged over."""
-    keep = torch.tensor([p is not None for p in ctx], device=run.device)
-    with torch.no_grad():
-        text = M.text_prefix(run.teacher, run.tok, [retrieval.bank_text(f) for f in ctx.found])
-        logits_text = M.logits_on(run.teacher, text, ids, attn, run.args.score_chunk)
-    logits_z = M.logits_on(run.teacher, with_default(run, ctx), ids, attn, run.args.score_chunk)
-    mask = amask * keep[:, None].to(amask)
-    return lopd.divergence(logits_z, logits_text, 'fkl', where=mask), mask
-
-
-COLD_STARTS = {'nll': cold_start_nll, 'text': cold_start_text}
-
-
-def cold_start(run, rollout):
-    """Fill the bank with base rollouts, then pre-train φ (COLD_STARTS: the paper's NLL of the
-    successes, or text-to-latent distillation on every rollout), family-balanced by default.
-    The bank does not change during the cold start, so each row's retrieval and its frozen
-    reading are made once, not at every step (the reading was half of a step's time)."""
-    a, s = run.args, run.state
-    rows = fill_bank(run, rollout)
-    rows = [r for r in rows if r[0].success] if a.cold_start == 'nll' else rows
-    with run.timer('cold_start'):
-        rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
-    opt = torch.optim.AdamW(retrieval.phi_params(s['composer'], s['reader']), lr=a.lr_cold_start or a.lr or run.method.lr)  # its own stage
-    for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
-        with run.timer('cold_start'):
-            pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
-                run.rng.sample(rows, min(32, len(rows)))
-            if a.micro_batch:  # --micro_batch: φ's gradient accumulated over groups of rows
-                loss = functools.partial(cold_start_micro, run, pick, a.micro_batch)
-            else:
-                loss = lopd.masked_mean(*cold_start_loss(run, pick))
-            loss = bk.optimizer_step(run, opt, loss, retrieval.phi_params(s['composer'], s['reader']))
-        if loss is not None:
-            bar.set_postfix(loss=f'{float(loss.detach()):.3f}')
-    s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on
-    if s['reader'] is not None:
-        s['reader0'].load_state_dict(s['reader'].state_dict())
-
-
-def cold_start_loss(run, pick):
-    """The cold start's per-token loss on picked rows (episode, body, mask, found, reading) -> (loss, mask), (B, T)."""
-    eps, bodies, masks, found, read0 = zip(*pick)
-    ctx = retrieval.latents(run, eps, grad=True, found=list(found), read0=torch.cat(read0))
-    return COLD_STARTS[run.args.cold_start](run, ctx, *M.pad_batch(bodies, masks, run.tok.pad, run.device))
-
-
-def cold_start_micro(run, pick, rows):
-    """The same mean, `rows` rows per forward and backward -> the loss, detached (None: nothing retrieved)."""
-    n = sum(sum(r[2]) for r in pick if len(r[3]))                               # the agent tokens the mean is over
-    total, grad = 0.0, False
-    for i in range(0, len(pick), rows):
-        loss, mask = cold_start_loss(run, pick[i:i + rows])
-        part = (loss * mask).sum() / max(n, 1)
-        if part.requires_grad:
-            part.backward()
-            grad = True
-        total += part.detach()
-    return total if grad else None
-
-
-@torch.no_grad()
-def frozen_reading(run, rows):
-    """-> per row (what it retrieves, its frozen reading, as composer.read keeps it), as compose would make them."""
-    tasks = [r[0].task for r in rows]
-    found = retrieval.retrieve(run, tasks)
-    if not any(found):
-        return [(f, torch.zeros(0, run.args.K, run.model.get_input_embeddings().weight.shape[1], device=run.device))
-                for f in found]
-    read0 = retrieval.reading(run, tasks, found, run.state['reader0'] or run.teacher).split([len(f) for f in found])
-    return list(zip(found, read0))

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 import lopd
 import retrieval
-import warmup
 from plumbing import parallel
 from plumbing.bookkeeping import arg
 from plumbing.registry import DISTILL_FLAGS, TEACHER_FLAGS, Method, Prefixes, distill, register
@@ -47,7 +46,7 @@ def trajtext_after_step(run, b, logits_s, teacher):
 
 
 register('trajtext', Method(distill, context=trajtext_context, teacher='frozen', group=1, lr=1e-3,
-                            state=lambda run: {'bank': retrieval.new_bank(run)}, setup=warmup.fill_bank, after_step=trajtext_after_step,
+                            state=lambda run: {'bank': retrieval.new_bank(run)}, setup=retrieval.fill_bank, after_step=trajtext_after_step,
                             flags={**DISTILL_FLAGS, **TEACHER_FLAGS, **retrieval.BANK_FLAGS},
                             bench={'trajtext': dict(knob=['--J', '3'], cost=430)}))
 

@@ -27,6 +27,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import envs  # noqa: E402
 import lopd  # noqa: E402
+import retrieval  # noqa: E402
 import tiny_hf  # noqa: E402
 import train  # noqa: E402
 import warmup  # noqa: E402
@@ -67,17 +68,17 @@ def test_the_cold_start_in_micro_batches_is_the_same_gradient(base_in, tmp_path)
     tasks = run.env.train_tasks[100:107]
     eps, bodies, masks = train.rollout(run.model, run.tok, run.env, tasks)
     rows = list(zip(eps, bodies, masks))
-    rows = [r + read for r, read in zip(rows, warmup.frozen_reading(run, rows))]
+    rows = [r + read for r, read in zip(rows, retrieval.frozen_reading(run, rows))]
     assert sum(len(r[3]) > 0 for r in rows) >= 2                               # rows that retrieve, and their mean
     phi = list(run.state["composer"].parameters())
     for p in phi:
         p.grad = None
-    whole = lopd.masked_mean(*warmup.cold_start_loss(run, rows))
+    whole = lopd.masked_mean(*retrieval.cold_start_loss(run, rows))
     whole.backward()
     want = grads(phi)
     for p in phi:
         p.grad = None
-    got = warmup.cold_start_micro(run, rows, 2)
+    got = retrieval.cold_start_micro(run, rows, 2)
     assert torch.allclose(got, whole.detach(), atol=1e-6) and torch.allclose(grads(phi), want, atol=1e-6, rtol=1e-4)
 
 

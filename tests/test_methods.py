@@ -121,7 +121,7 @@ def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_dem
                    args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
                                               bank_capacity=1000, allow_same_task=False, decode_rows=-1), device=torch.device("cpu"))
     run.state = {"bank": retrieval.new_bank(run)}
-    rows = warmup.fill_bank(run, rollout)
+    rows = retrieval.fill_bank(run, rollout)
     bank = run.state["bank"]
     assert run.episodes == 70 and len(rows) == 70 + sum(not r[0].success for r in rows)
     assert len(bank.exps) == 70 and all(x.reward == 1.0 for x in bank.exps)       # one verified success per task

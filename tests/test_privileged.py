@@ -230,7 +230,7 @@ def test_the_copy_composer_starts_as_the_text_context_and_shows_no_latent_past_a
 
 @pytest.mark.parametrize("reader", ["frozen", "trained"])
 def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, reader):
-    """The cold start reads each row's experiences once (warmup.frozen_reading) and reuses the
+    """The cold start reads each row's experiences once (retrieval.frozen_reading) and reuses the
     pooled reading at every step: the latents, z0 and their gradients must be what compose makes
     reading afresh; with an empty bank there is nothing to read."""
     torch.manual_seed(0)
@@ -239,7 +239,7 @@ def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, 
     run.state["bank"].add([retrieval.Experience(t.task_id, t.family, t.prompt, t.solution, 1.0) for t in env.train_tasks[4:12]])
     eps = [envs.play(env, t, env.demo(t, random.Random(0))) for t in env.train_tasks[:4]]
     rows = [(e, None, None) for e in eps]
-    cached = warmup.frozen_reading(run, rows)
+    cached = retrieval.frozen_reading(run, rows)
     assert [f for f, _ in cached] == retrieval.retrieve(run, [e.task for e in eps])
     assert [r.shape[0] for _, r in cached] == [len(f) for f, _ in cached]
     fresh = retrieval.latents(run, eps, grad=True)
@@ -254,7 +254,7 @@ def test_cold_start_reading_made_once_gives_the_latents_compose_makes(env, tok, 
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
-    empty = warmup.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
+    empty = retrieval.frozen_reading(lopd_run(tok, model), rows)  # an empty bank: nothing to read
     assert all(f == [] and r.shape == (0, 3, 16) for f, r in empty)
 
 
