@@ -298,8 +298,7 @@ def train_step(run):
         entropy = lopd.mean_entropy(logits_s, b.amask).item()
     logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
             **m.after_step(run, b, logits_s, teacher)}
-    for k, v in logs.items():
-        run.log.setdefault(k, []).append(v)
+    run.record(**logs)
     run.step += 1
 
 
