@@ -54,7 +54,7 @@ def skill_text(records):
     return f'skill: success pattern: {pattern}; mistakes: {mistake}; workflow: {turns} turns, the last one answers\n'
 
 
-def warmup_demo(env, task, by_family, rng, p_ctx=0.0, form=None):
+def warmup_demo(env, task, by_family, rng, p_ctx=0.0, form=None, forms=CONTEXT_FORMS):
     """One warm-up demo -> (episode, privileged context text or None).
 
     Without a context (probability 1 − p_ctx): the noisy expert. With one, the demo teaches
@@ -67,11 +67,11 @@ def warmup_demo(env, task, by_family, rng, p_ctx=0.0, form=None):
     noisy expert (an unhelpful context is to be ignored). On opaque families the plan shown
     and followed is one random plan per demo, never the family's true plan, so that reading
     is learned but no opaque plan is: those stay learnable only from experience. form: this one
-    (the reading probe's), not a draw."""
+    (the reading probe's), not a draw from `forms` (the tail's: TAIL_FORMS)."""
     u = rng.random()
     if u >= p_ctx:
         return envs.play(env, task, env.demo(task, rng, noisy=True)), None
-    form = form or rng.choices(list(CONTEXT_FORMS), weights=list(CONTEXT_FORMS.values()))[0]
+    form = form or rng.choices(list(forms), weights=list(forms.values()))[0]
     kw = env.reading_plan(task, rng)
     follow = lambda t: envs.play(env, t, env.demo(t, rng, **kw))               # the plan this demo teaches
     pair = lambda ep: (ep.task.prompt, env.trajectory_text(ep))
@@ -188,9 +188,6 @@ def reading(model, tok, probe, device):
                                warmup_loss(model, tok, demos, contexts, device)), 4) for f, (demos, contexts) in probe.items()}
 
 
-GATE_EVERY = 100   # tail steps between two readings of the gate
-
-
 def gate_demos(env, pool, by_family, n=1024):
     """The gate's demos: n warm-up tasks of the opaque families (the ones only a context tells), each after a 'past'
     context (LOPD's form: one to three past trajectories, one at least of its family, whose plan the demo follows,
@@ -222,15 +219,18 @@ def follows(model, tok, gate, device):
                       sum(played(model, tok, demos, [None] * len(demos), device))) / len(demos), 4)
 
 
-TAIL_LR = 0.3  # the tail's learning rate, as a fraction of --warmup_lr
+TAIL_LR = 0.3  # where the reading tail's learning rate starts, as a fraction of --warmup_lr (a second cosine, to 0.1)
+# the reading tail's demos: 90% with a context, every one of a form whose demo copies the plan shown (a base under the
+# gate copies badly even the task's own solution, docs/bases.md), the plain solution the most (it teaches copying fastest)
+TAIL_CTX, TAIL_FORMS = 0.9, {'solution': 0.5, 'this_task': 0.3, 'past': 0.2}
 
 
-def lr_factor(step, steps):
-    """The warm-up's learning rate, as a fraction of --warmup_lr: a cosine from 1 to 0.1 over its `steps`, then the
-    tail at TAIL_LR (while the base does not read: the gate, --warmup_gate). Reading a context forms late and slowly,
-    after the rest of the demos are fit, and on some bases not by the cosine's 10% (warm-up seeds 0 and 3: their
-    teachers +0.015 and +0.075 over their students at step 0; after a tail of 400 steps at 30%, +0.230 and +0.155)."""
-    return TAIL_LR if step >= steps else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+def lr_factor(step, steps, tail=0):
+    """The warm-up's learning rate, as a fraction of --warmup_lr: a cosine from 1 to 0.1 over its `steps`, then, on a
+    base that does not read (the gate, --warmup_gate), the reading tail's `tail` steps: a cosine from TAIL_LR to 0.1."""
+    if step >= steps:
+        return 0.1 + (TAIL_LR - 0.1) * 0.5 * (1 + math.cos(math.pi * (step - steps) / max(tail, 1)))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def cpu_kernels():
@@ -240,9 +240,9 @@ def cpu_kernels():
 
 def warmup_key(args, tok, model, env):
     """What a base is built from: a cache of another key is another base."""
-    return json.dumps(['v9', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
+    return json.dumps(['v10', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
                       args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR,
-                      args.warmup_gate, GATE_EVERY, tok.digest(), CONTEXT_FORMS,
+                      args.warmup_gate, TAIL_CTX, TAIL_FORMS, tok.digest(), CONTEXT_FORMS,
                       tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] +
                      ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
 
@@ -265,14 +265,16 @@ def warmup(args, tok, model, env, device):
         probe, curve = probe_demos(env, pool, by_family) if PROBE_EVERY and pool and not args.model else None, []
         gate, gates = gate_demos(env, pool, by_family) if args.warmup_gate and tail_steps(args) and pool and not args.model else None, []
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.warmup_lr, weight_decay=0.0)
-        step, end, cap = 0, args.warmup_steps, args.warmup_steps + tail_steps(args)
+        step, end = 0, args.warmup_steps
         bar = tqdm(total=end, desc='warm-up', dynamic_ncols=True)
         while step < end:
             if probe and step % PROBE_EVERY == 0:
                 curve.append({'step': step, **reading(model, tok, probe, device)})
             for g in opt.param_groups:
-                g['lr'] = args.warmup_lr * lr_factor(step, args.warmup_steps)
-            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, args.warmup_ctx)
+                g['lr'] = args.warmup_lr * lr_factor(step, args.warmup_steps, tail_steps(args))
+            tail = step >= args.warmup_steps   # the reading tail: more demos that copy a plan shown (TAIL_FORMS)
+            demos, contexts = zip(*[warmup_demo(env, t, by_family, rng, TAIL_CTX if tail else args.warmup_ctx,
+                                                forms=TAIL_FORMS if tail else CONTEXT_FORMS)
                                     for t in rng.sample(pool, args.warmup_batch)])
             opt.zero_grad(set_to_none=True)
             with M.train_mode(model):
@@ -285,14 +287,14 @@ def warmup(args, tok, model, env, device):
             step += 1
             bar.update()
             bar.set_postfix(loss=f'{loss.item():.3f}', **({'read': curve[-1][PROBE_FORMS[0]]} if curve else {}))
-            if step == end and gate:  # the gate: more steps at TAIL_LR while the base does not act on what it reads
+            if step == end and gate:  # the gate at the cosine's end (and its reading again after the tail)
                 gates.append({'step': step, 'follows': follows(model, tok, gate, device)})
-                more = min(GATE_EVERY, cap - end) if gates[-1]['follows'] < args.warmup_gate else 0
+                more = tail_steps(args) if step == args.warmup_steps and gates[-1]['follows'] < args.warmup_gate else 0
                 end, bar.total = end + more, end + more
                 tqdm.write(f'warm-up: at step {step} the base plays {gates[-1]["follows"]:+.3f} of the gate\'s demos more '
                            f'with their context than without (the gate: {args.warmup_gate}): ' +
-                           (f'{more} more steps at {TAIL_LR:.0%} of the lr' if more else 'it reads' if
-                            gates[-1]['follows'] >= args.warmup_gate else 'still under it at --warmup_tail\'s cap'))
+                           (f'the reading tail, {more} steps of demos that copy a plan shown' if more else
+                            'it reads' if step == args.warmup_steps else 'after the reading tail'))
         if probe:
             curve.append({'step': step, **reading(model, tok, probe, device)})
             print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +

@@ -52,19 +52,25 @@ def test_the_reading_probe_leaves_the_base_as_it_was(tmp_path, monkeypatch):
     assert all(set(c) == {"step", *warmup.PROBE_FORMS} for c in saved["reading"])
 
 
-def test_the_tail_runs_at_its_learning_rate_after_the_cosine():
+def test_the_tail_runs_its_own_cosine_after_the_first():
     assert warmup.tail_steps(train.parse_args(TINY)) == 10 and warmup.tail_steps(train.parse_args([])) == 400
     assert warmup.lr_factor(0, 20) == 1.0 and abs(warmup.lr_factor(19, 20) - 0.1) < 0.01
-    assert warmup.lr_factor(20, 20) == warmup.lr_factor(29, 20) == warmup.TAIL_LR
+    tail = [warmup.lr_factor(s, 20, 10) for s in range(20, 30)]
+    assert tail[0] == warmup.TAIL_LR and abs(tail[-1] - 0.1) < 0.01 and tail == sorted(tail, reverse=True)
 
 
-def test_the_gate_adds_steps_only_while_the_base_does_not_read(tmp_path, monkeypatch):
-    """Under the gate: GATE_EVERY steps more at a time, up to --warmup_tail's cap, each reading recorded; over it at
-    the cosine's end: the very base no gate builds (the gate's reading leaves it as it was)."""
-    monkeypatch.setattr(warmup, "GATE_EVERY", 4)
+def test_the_gate_adds_the_reading_tail_only_where_the_base_does_not_read(tmp_path, monkeypatch):
+    """Under the gate at the cosine's end: the reading tail, its --warmup_tail steps, of demos drawn at TAIL_CTX from
+    TAIL_FORMS (the cosine's at --warmup_ctx from CONTEXT_FORMS), and the gate read again at its end; over it: the very
+    base no gate builds (the gate's reading leaves it as it was)."""
+    drawn, demo = [], warmup.warmup_demo
+    record = lambda *a, **kw: drawn.append((a[4], kw["forms"])) if "forms" in kw else None   # the training loop's draws
+    monkeypatch.setattr(warmup, "warmup_demo", lambda *a, **kw: record(*a, **kw) or demo(*a, **kw))
     under, saved = build(tmp_path / "under", [], 0, monkeypatch)                  # a 20-step base does not read
-    assert [g["step"] for g in saved["gate"]] == [20, 24, 28, 30]                 # 20 + 4 + 4 + 2: the cap, read once more
-    assert all(g["follows"] < 0.15 for g in saved["gate"])
+    assert [g["step"] for g in saved["gate"]] == [20, 30] and saved["gate"][0]["follows"] < 0.15
+    per_step = drawn[::8]                                                          # --warmup_batch 8 demos a step
+    assert per_step[:20] == [(0.6, warmup.CONTEXT_FORMS)] * 20 and per_step[20:] == [(warmup.TAIL_CTX, warmup.TAIL_FORMS)] * 10
+    assert set(warmup.TAIL_FORMS) <= set(warmup.CONTEXT_FORMS)
     no_gate, saved = build(tmp_path / "none", ["--warmup_gate", "0"], 0, monkeypatch)
     assert saved["gate"] == []
     monkeypatch.setattr(warmup, "follows", lambda *a: 1.0)                         # it reads at once
