@@ -82,8 +82,8 @@ def premise(m):
     print(f'teacher - student at the base, paired on the same {n} held-out tasks: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}]')
     if mean < GAP_FLOOR:
         print(f'train.py: the teacher knows nothing its student does not ({mean:+.3f} < +{GAP_FLOOR:.2f}): distilling it '
-              f'can teach little. Try another base (--warmup_seed) or a longer gate (--warmup_tail 1), and see whether '
-              f'this base reads a context (the warm-up\'s gate lines: under 0.15 it does not)', file=sys.stderr)
+              f'can teach little. Try another base (--warmup_seed) or a longer reading tail (--warmup_tail 1), and see '
+              f'whether this base reads a context (the warm-up\'s gate lines: under 0.15 it does not)', file=sys.stderr)
 
 
 def make_teacher(model, kind):

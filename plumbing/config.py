@@ -50,11 +50,11 @@ class ModelArgs:
     warmup_batch: int = arg(32, 'demos per warm-up step (codegen and tooluse-v1: 64, as when their numbers were '
                              'measured)', lo=1, group=MODEL)
     warmup_lr: float = arg(3e-3, 'warm-up learning rate', lo=0, group=MODEL)
-    warmup_gate: float = arg(0.15, "after the cosine, more steps at 30%% of --warmup_lr while the base plays fewer than "
-                             "this fraction more of 1,024 demos with a past experience's plan shown than without (a base "
-                             "that does not read yet: its teacher would know nothing more; 0 = never, 1 = always)",
+    warmup_gate: float = arg(0.15, "after the cosine, the reading tail (demos that copy a plan shown) where the base plays "
+                             "fewer than this fraction more of 1,024 demos with a past experience's plan shown than without "
+                             "(a base that does not read: its teacher would know nothing more; 0 = never, 1 = always)",
                              lo=0, hi=1, group=MODEL)
-    warmup_tail: float = arg(0.5, "the most steps --warmup_gate adds, as a fraction of --warmup_steps", lo=0, group=MODEL)
+    warmup_tail: float = arg(0.5, "the reading tail's steps, as a fraction of --warmup_steps", lo=0, group=MODEL)
     warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order", group=MODEL)
     warmup_ctx: float = arg(0.6, 'fraction of warm-up demos that teach the base to read a privileged context '
                             '(0 = the base that never saw one, an ablation)', lo=0, hi=1,
