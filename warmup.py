@@ -1,5 +1,7 @@
-"""Before training: the warm-up (the base every method starts from, built once and cached under
-runs/) and LOPD's cold start (its bank filled, φ pre-trained; cached per seed by bookkeeping).
+"""Before training: the base every method starts from. The default one ships with the repo (base/tooluse: its
+weights, its tokenizer, and a manifest of how it was built and what it measured), so that `python train.py` starts
+from the same base on every machine; any other recipe (--warmup_seed, --build_base, another model shape) is built
+here by the warm-up and cached under runs/.
 
 The tiny model starts from nothing, so before any method runs it is trained, supervised, on
 noisy-expert demos (envs.*.demo), and taught to read a privileged context as an
@@ -28,9 +30,6 @@ import retrieval
 import tokenizer
 from plumbing import bookkeeping as bk
 from retrieval import experiences_text
-
-WARMUP_THREADS = 2
-
 
 # the forms of privileged context the warm-up teaches the base to read, with their share of the context demos
 CONTEXT_FORMS = {'solution': 0.2, 'this_task': 0.15, 'past': 0.3, 'unhelpful': 0.1, 'skill': 0.1, 'feedback': 0.15}
@@ -238,29 +237,35 @@ def cpu_kernels():
     return torch.backends.cpu.get_cpu_capability()
 
 
+def recipe_key(args, tok, env):
+    """What a base is built from, wherever it is built: the recipe's flags, its tokenizer, what its demos teach."""
+    return ['v10', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps, args.warmup_batch,
+            args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR, args.warmup_gate, TAIL_CTX,
+            TAIL_FORMS, tok.digest(), CONTEXT_FORMS, tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS]
+
+
 def warmup_key(args, tok, model, env):
-    """What a base is built from: a cache of another key is another base."""
-    return json.dumps(['v10', env.name, env.families, args.model, args.d_model, args.n_layer, args.warmup_steps,
-                      args.warmup_batch, args.warmup_ctx, args.warmup_lr, args.warmup_seed, tail_steps(args), TAIL_LR,
-                      args.warmup_gate, TAIL_CTX, TAIL_FORMS, tok.digest(), CONTEXT_FORMS,
-                      tokenizer.SPECIALS, tokenizer.MAX_OBS_CHARS, torch.__version__, cpu_kernels()] +
-                     ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
+    """What a base built here is built from: its recipe, and the torch and CPU kernels that round its sums (a cache of
+    another key is another base)."""
+    return json.dumps(recipe_key(args, tok, env) + [torch.__version__, cpu_kernels()] +
+                      ([args.lora_r, str(next(model.parameters()).dtype)] if args.model else []))
 
 
 def warmup(args, tok, model, env, device):
     """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
     -> (cache path, whether it came from the cache)."""
+    if shipped(args):
+        return load_shipped(args, tok, model, env), True
     key = warmup_key(args, tok, model, env)
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
     def build():
         # the base is the same for every run seed (one base, many methods) and wherever the same torch builds it
         # with the same CPU kernels (other kernels round otherwise: another base, cpu_kernels in the key); a fixed
-        # thread count, since sums split over threads round differently (1 and 2 threads gave two different
-        # bases); 2, so that a 2-core machine builds it at full speed
+        # thread count (bk.BUILD_THREADS), since sums split over threads round differently
         rng, threads = random.Random(args.warmup_seed), torch.get_num_threads()
         torch.manual_seed(args.warmup_seed)
-        torch.set_num_threads(WARMUP_THREADS)
+        torch.set_num_threads(bk.BUILD_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
         probe, curve = probe_demos(env, pool, by_family) if PROBE_EVERY and pool and not args.model else None, []
         gate, gates = gate_demos(env, pool, by_family) if args.warmup_gate and tail_steps(args) and pool and not args.model else None, []
@@ -311,11 +316,16 @@ def warmup(args, tok, model, env, device):
 
 
 def base_info(path):
-    """What summary.json and the bench record of a base: its draw, the torch and CPU kernels that built it,
-    and its reading curve (the probe's NLL drops over the warm-up)."""
+    """What summary.json and the bench record of a base: which it is (the shipped one, or a cache built here), the torch
+    and CPU kernels that built it, and its reading curve (the probe's NLL drops over the warm-up) and gate."""
+    if path == os.path.join(SHIPPED, WEIGHTS):
+        man = manifest()
+        return {'shipped': os.path.relpath(SHIPPED, ROOT), 'id': f"shipped-{man['files'][WEIGHTS][:12]}",
+                'torch': man['built']['torch'], 'cpu_kernels': man['built']['cpu_kernels'],
+                'reading': man['reading'], 'gate': man['gate']}
     saved = torch.load(path, map_location='cpu', weights_only=False)
-    return {'torch': torch.__version__, 'cpu_kernels': cpu_kernels(), 'reading': saved.get('reading', []),
-            'gate': saved.get('gate', [])}
+    return {'id': os.path.basename(path), 'torch': torch.__version__, 'cpu_kernels': cpu_kernels(),
+            'reading': saved.get('reading', []), 'gate': saved.get('gate', [])}
 
 
 def load_model(args, env, dtype=torch.float32):
@@ -323,7 +333,7 @@ def load_model(args, env, dtype=torch.float32):
     them: the BPE tokenizer learned from this environment's text (or bytes, or --model's own), and
     the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
     torch.manual_seed(args.warmup_seed)
-    ranks = merges(args, env) if args.bpe_merges and not args.model else None
+    ranks = (shipped_ranks() if shipped(args) else merges(args, env)) if args.bpe_merges and not args.model else None
     return M.load(args.model or None, args.d_model, args.n_layer, ranks, dtype,
                   system=env.instructions if args.model else None)
 
@@ -349,3 +359,86 @@ def merges(args, env):
     except OSError:
         pass
     return ranks
+
+
+# ----------------------------------------------------------------------------- the shipped base
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SHIPPED, WEIGHTS, TOKENIZER = os.path.join(ROOT, 'base', 'tooluse'), 'model.safetensors', 'tokenizer.json'
+# the flags a base is built from: a run whose flags are the shipped base's starts from it (no draw on the default path)
+RECIPE = ('env', 'model', 'd_model', 'n_layer', 'bpe_merges', 'warmup_steps', 'warmup_batch', 'warmup_ctx', 'warmup_lr',
+          'warmup_tail', 'warmup_gate', 'warmup_seed')
+
+
+def manifest():
+    """The shipped base's manifest.json: its recipe, its files' sha256, who built it, what it measured; None if none."""
+    try:
+        with open(os.path.join(SHIPPED, 'manifest.json')) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def recipe(args):
+    return {k: getattr(args, k) for k in RECIPE}
+
+
+def shipped(args):
+    """Does this run start from the shipped base? Yes, unless --build_base or a flag of its recipe says otherwise."""
+    man = manifest()
+    return man is not None and not args.build_base and recipe(args) == man['recipe']
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checked(name):
+    """A shipped file's path, once its sha256 is the manifest's (a changed or missing file: one line, exit 2)."""
+    path, want = os.path.join(SHIPPED, name), manifest()['files'][name]
+    if not os.path.isfile(path) or sha256(path) != want:
+        bk.die(f'{os.path.relpath(path, ROOT)} is not the file its manifest names (sha256 {want[:12]}...): restore it '
+               f'(git checkout base/) or rebuild the shipped base (python -m bench.ship_base)')
+    return path
+
+
+def shipped_ranks():
+    """The shipped base's tokenizer: the BPE merges it was trained with (tokenizer.bpe_ranks' {bytes: rank})."""
+    with open(checked(TOKENIZER)) as f:
+        return {bytes.fromhex(b): rank for b, rank in json.load(f)['ranks']}
+
+
+def recipe_digest(args, tok, env):
+    return hashlib.sha256(json.dumps(recipe_key(args, tok, env)).encode()).hexdigest()[:16]
+
+
+def load_shipped(args, tok, model, env):
+    """The shipped base's weights into `model` (safetensors: no pickle), once the files' hashes and this code's recipe
+    are the manifest's; prints one line naming the base and its facts. -> the weights' path."""
+    from safetensors.torch import load_model as load_weights
+    man = manifest()
+    if recipe_digest(args, tok, env) != man['recipe_digest']:
+        bk.die('the shipped base (base/tooluse) was built by another recipe than this code\'s (its demos, tokenizer or '
+               'model shape changed): rebuild it (python -m bench.ship_base), or build one here (--build_base)')
+    path = checked(WEIGHTS)
+    load_weights(model, path, device=str(next(model.parameters()).device))
+    print(f'warm-up: shipped {os.path.relpath(path, ROOT)}')  # the bench waits for this line
+    print(describe(man))
+    return path
+
+
+def describe(man):
+    """The shipped base in one line: how it was built and what it measured."""
+    f, b = man['facts'], man['built']
+    gap = lambda g: f"{g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}]"
+    head = (f"base: the shipped one, base/tooluse (warm-up seed {man['recipe']['warmup_seed']}, built by torch {b['torch']} "
+            f"on {b['cpu_kernels']} kernels)")
+    if not f:
+        return f'{head}: not measured yet'
+    return (f"{head}: held-out reward {f['reward']:.3f}, success {f['success']:.3f} "
+            f"({f['eval_tasks']} tasks); its teacher over its student at step 0: LOPD {gap(f['gap_lopd'])}, "
+            f"OPSD {gap(f['gap_opsd'])} ({f['teacher_eval']} tasks)")

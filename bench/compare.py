@@ -83,8 +83,9 @@ def status(run_dir, budget):
 
 def cached(log, what):
     """train.py prints '<what>: [cached ]<path>.pt' once the warm-up / a method's setup is cached
-    or loaded (the warm-up's progress bar also starts with 'warm-up:', hence the regex)."""
-    return re.search(rf'^{what}: (cached )?.+\.pt$', log, re.M) is not None
+    or loaded, and 'warm-up: shipped <path>.safetensors' for the shipped base (the warm-up's progress bar also
+    starts with 'warm-up:', hence the regex)."""
+    return re.search(rf'^{what}: (cached |shipped )?.+\.(pt|safetensors)$', log, re.M) is not None
 
 
 def launch(cmd, log_path, env, signals=()):

@@ -37,7 +37,7 @@ def build(args, rollout, evaluate):
         M.checkpoint_activations(run.model)
     with run.timer('warmup'), parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
-    run.base = {'warmup_seed': args.warmup_seed, **warmup.base_info(wpath)}    # the base's draw, for summary.json
+    run.base = {'warmup_seed': args.warmup_seed, **warmup.base_info(wpath)}    # which base, for summary.json
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
         run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
@@ -50,6 +50,7 @@ def build(args, rollout, evaluate):
     if args.resume:
         bk.load_checkpoint(run, args.resume)
         print(f'resumed at step {run.step}, {run.episodes} episodes')
+        acts(run, run.metrics[0]['reward'], quiet=True)
         return run
     if parallel.writer():
         open(os.path.join(run.dir, 'metrics.jsonl'), 'w').close()
@@ -57,7 +58,7 @@ def build(args, rollout, evaluate):
     with run.autocast():
         if method.setup:
             with parallel.rank0_first():
-                bk.cached_setup(run, lambda run: method.setup(run, rollout), wpath)
+                bk.cached_setup(run, lambda run: method.setup(run, rollout), run.base['id'])
         run.setup_episodes = run.episodes
         # the base, after the setup: a setup fills a bank or a pool or trains φ, never θ, so the student is
         # still the base; the teacher reads the context the setup built (before it, it had none: the student)
@@ -65,6 +66,7 @@ def build(args, rollout, evaluate):
         print(f"base model: held-out reward {m['reward']:.3f}, success {m['success']:.3f}" +
               (f"; teacher reward {m['teacher_reward']:.3f}" if 'teacher_reward' in m else ''))
         premise(m)
+        acts(run, m['reward'])
     bk.save_checkpoint(run)  # a run killed from here on can be resumed
     return run
 
@@ -82,8 +84,27 @@ def premise(m):
     print(f'teacher - student at the base, paired on the same {n} held-out tasks: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}]')
     if mean < GAP_FLOOR:
         print(f'train.py: the teacher knows nothing its student does not ({mean:+.3f} < +{GAP_FLOOR:.2f}): distilling it '
-              f'can teach little. Try another base (--warmup_seed) or a longer reading tail (--warmup_tail 1), and see '
-              f'whether this base reads a context (the warm-up\'s gate lines: under 0.15 it does not)', file=sys.stderr)
+              f'can teach little. Start from the shipped base (no --warmup_seed, no --build_base), or, for a base built '
+              f'here, see whether it reads a context (the warm-up\'s gate lines: under 0.15 it does not) and try a '
+              f'longer reading tail (--warmup_tail 1) or another --warmup_seed', file=sys.stderr)
+
+
+ACT_FLOOR = 0.5  # a built base under half the shipped base's held-out reward cannot act: it has little to learn from
+
+
+def acts(run, reward, quiet=False):
+    """A base built here (--warmup_seed, --build_base) is a draw of this machine's float kernels: the gate on acting.
+    Its greedy held-out reward at the base against the shipped one's, in summary.json ('base': 'acts') and, where it
+    is under ACT_FLOOR of it, one line on stderr saying what to try. The shipped base and other models pass."""
+    ref = warmup.manifest()
+    if run.base.get('shipped') or not (ref and ref['facts']) or run.args.model or run.args.env != ref['recipe']['env']:
+        return
+    run.base['acts'] = ok = reward >= ACT_FLOOR * ref['facts']['reward']
+    if not ok and not quiet:
+        print(f'train.py: this base cannot act: its held-out reward {reward:.3f} is under half the shipped base\'s '
+              f'({ref["facts"]["reward"]:.3f}); a base built here is a draw of this machine\'s float kernels, and one that '
+              f'cannot act gives its teacher nothing to know. Start from the shipped base (drop --warmup_seed and '
+              f'--build_base) or try another seed (docs/bases.md)', file=sys.stderr)
 
 
 def make_teacher(model, kind):

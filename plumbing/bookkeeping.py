@@ -313,27 +313,37 @@ def load_module(module, saved):
     unpack({'m': module}, {'m': saved})
 
 
-def setup_key(args, warm_path, code):
-    """What a method's setup depends on: every flag but those marked after_setup, the base, the code,
-    and the CPU threads it is built on (sums split over threads round differently: a cold start that
-    the bench built on one thread and one that train.py built on two differ, and sharing one cache moved
-    LOPD's quick-compare rows by up to 2.6 points, depending on which process had built it)."""
+# the CPU threads the caches (the warm-up, a method's setup) are built on, whatever the process runs on: sums split over
+# threads round differently (1 and 2 threads gave two bases, and two cold starts whose runs differed by up to 2.6
+# points), so a notebook on one thread and train.py on two share one setup; 2, so that a 2-core machine builds at full speed
+BUILD_THREADS = 2
+
+
+def setup_key(args, base_id, code):
+    """What a method's setup depends on: every flag but those marked after_setup, the base, the code, and what rounds
+    its sums (the torch and the CPU kernels: a cold start built under others is another draw, as a base is)."""
     kept = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if not f.metadata.get('after_setup')}
-    return json.dumps([kept, os.path.basename(warm_path), code, torch.get_num_threads()], sort_keys=True)
+    return json.dumps([kept, base_id, code, BUILD_THREADS, torch.__version__, torch.backends.cpu.get_cpu_capability()],
+                      sort_keys=True)
 
 
-def cached_setup(run, setup, warm_path):
+def cached_setup(run, setup, base_id):
     """A method's one-time setup (LOPD: bank filling + cold start), cached under out_dir like the
     warm-up: LOPD and its ablations of one seed (--freeze_composer, --margin 0) differ only after
     it, so they share one (setup-<method>-<env>-s<seed>-<hash>.pt). The cache holds everything a setup changes, RNG states included, so a
     run that loads it continues exactly as if it had built it (tests/test_reliability.py)."""
     a = run.args
-    key = setup_key(a, warm_path, run.code)
+    key = setup_key(a, base_id, run.code)
     path = os.path.join(a.out_dir, f'setup-{a.method}-{a.env}-s{a.seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     parts = ('episodes', 'log', 'skips_in_a_row')
 
     def build():
-        setup(run)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(BUILD_THREADS)
+        try:
+            setup(run)
+        finally:
+            torch.set_num_threads(threads)
         return {'key': key, 'state': pack(run.state), **{k: getattr(run, k) for k in parts}, **get_rng(run)}
 
     def apply(saved):

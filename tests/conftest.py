@@ -80,8 +80,9 @@ def base_flags():
 
 
 def shared_base(runs):
-    """Build the notebooks' one warmed-up base, train.py's default, into `runs` once (a file lock: the
-    notebooks may run on several test workers at once), exactly as `python train.py` would. -> runs."""
+    """The notebooks' one base in `runs`: train.py's default, the shipped one, which needs no building; another
+    draw (LOPD_WARMUP_SEED) built once (a file lock: the notebooks may run on several test workers at once), exactly
+    as `python train.py` would. -> runs."""
     import filelock
     import torch
     sys.path.insert(0, ROOT)
@@ -106,3 +107,29 @@ def default_base(tmp_path_factory):
     """A folder every test worker of this session sees, with `python train.py`'s default base built in it once:
     the notebooks' caches (tests/test_notebooks.py) and the base tier's (tests/test_base.py)."""
     return shared_base(str(shared_folder(tmp_path_factory, "notebook-runs")))
+
+
+# the base tier's run (tests/test_base.py), whose teacher gap notebook 4 must find too: train.py from the notebooks' base,
+# evaluated at the base after LOPD's setup (one training step follows, which nothing reads)
+BASE_GAP = ["--method", "lopd", "--setup_free", "--episodes", "16", "--eval_tasks", "500", "--teacher_eval", "100",
+            "--eval_samples", "0", "--overwrite"]
+
+
+@pytest.fixture(scope="session")
+def base_gap(default_base):
+    """-> (summary.json, stdout) of the base tier's run in the notebooks' runs folder, run once per test session (a
+    file lock: the base tier and notebook 4 may ask on two workers)."""
+    import filelock
+    import json
+    import subprocess
+    name = f"base-gap-w{base_flags()[1] if base_flags() else 'shipped'}"
+    with filelock.FileLock(os.path.join(default_base, "base-gap.lock")):
+        log = os.path.join(default_base, name + ".log")
+        if not os.path.exists(log):
+            out = subprocess.run([sys.executable, "train.py", *base_flags(), *BASE_GAP, "--out_dir", default_base,
+                                  "--name", name], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            assert out.returncode == 0, out.stderr[-2000:]
+            with open(log, "w") as f:
+                f.write(out.stdout)
+    with open(os.path.join(default_base, name, "summary.json")) as f, open(log) as g:
+        return json.load(f), g.read()

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -124,6 +125,136 @@ def test_the_cache_key_names_the_seed_the_torch_and_the_cpu_kernels(tmp_path, mo
     assert len({here, other_seed, other_kernels, other_torch}) == 4
 
 
+# ----------------------------------------------------------------------------- the shipped base
+
+def test_the_default_path_starts_from_the_shipped_base(tmp_path, capsys):
+    """python train.py's flags are the shipped base's recipe: its files' hashes are the manifest's, this code's recipe
+    is the one that built it, and the warm-up loads it (no build, nothing cached under runs/) and names it in one line
+    with its facts; the tokenizer is the shipped one."""
+    man = warmup.manifest()
+    args = train.parse_args(["--out_dir", str(tmp_path)])
+    assert warmup.recipe(args) == man["recipe"] and warmup.shipped(args)
+    for name, digest in man["files"].items():
+        assert warmup.sha256(os.path.join(warmup.SHIPPED, name)) == digest, name
+    env = envs.make_env(args.env)
+    tok, model = warmup.load_model(args, env)
+    assert sorted(tok.enc._mergeable_ranks.items()) == sorted(warmup.shipped_ranks().items())
+    assert warmup.recipe_digest(args, tok, env) == man["recipe_digest"]
+    path, cached = warmup.warmup(args, tok, model, env, "cpu")
+    assert cached and path == os.path.join(warmup.SHIPPED, warmup.WEIGHTS) and not os.listdir(tmp_path)
+    from safetensors.torch import load_file
+    weights = load_file(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights.get(k, weights["lm_head.weight"])), k   # the embedding is tied to the head
+    out = capsys.readouterr().out
+    assert f"warm-up: shipped base/tooluse/{warmup.WEIGHTS}" in out and "base: the shipped one" in out
+    assert f"held-out reward {man['facts']['reward']:.3f}" in out
+    info = warmup.base_info(path)
+    assert info["shipped"] == "base/tooluse" and info["id"] == f"shipped-{man['files'][warmup.WEIGHTS][:12]}"
+
+
+def test_ship_base_writes_what_the_default_path_loads(tmp_path, monkeypatch):
+    """bench.ship_base's files, written from a tiny base built here: a run of that recipe then loads them (nothing
+    built, the same weights and tokenizer), and the manifest names the recipe, the hashes and who built it."""
+    from bench import ship_base
+    monkeypatch.setattr(warmup, "SHIPPED", str(tmp_path / "tooluse"))
+    args = train.parse_args(TINY + ["--build_base", "--out_dir", str(tmp_path / "built")])
+    env = envs.make_env(args.env)
+    tok, model = warmup.load_model(args, env)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        path, _ = warmup.warmup(args, tok, model, env, "cpu")
+    man = ship_base.write(args, tok, model, torch.load(path, weights_only=False), "python -m bench.ship_base ...")
+    man["facts"] = {"reward": 0.1, "success": 0.0, "eval_tasks": 500, "teacher_eval": 100,
+                    **{g: {"mean": 0.0, "lo": 0.0, "hi": 0.0} for g in ("gap_lopd", "gap_opsd")}}
+    bk.atomic_json(man, str(tmp_path / "tooluse" / "manifest.json"))
+    assert man["recipe"]["warmup_steps"] == 20 and man["built"]["cpu_kernels"] == warmup.cpu_kernels()
+    again = train.parse_args(TINY + ["--out_dir", str(tmp_path / "runs")])
+    assert warmup.shipped(again) and not warmup.shipped(args)                     # --build_base: built here
+    tok2, model2 = warmup.load_model(again, env)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert warmup.warmup(again, tok2, model2, env, "cpu")[1]
+    assert not (tmp_path / "runs").exists() and tok2.digest() == tok.digest()
+    for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("flags", [["--warmup_seed", "5"], ["--build_base"], ["--d_model", "32"], ["--env", "codegen"],
+                                   ["--warmup_steps", "100"]])
+def test_another_recipe_is_built_here(flags):
+    assert not warmup.shipped(train.parse_args(flags))
+
+
+def test_no_shipped_file_is_unpickled(monkeypatch, tmp_path):
+    """The shipped base is safetensors and JSON: loading it, and describing it, never calls torch.load."""
+    def refuse(*a, **kw):
+        raise AssertionError("torch.load of a shipped file")
+    monkeypatch.setattr(torch, "load", refuse)
+    args = train.parse_args(["--out_dir", str(tmp_path)])
+    env = envs.make_env(args.env)
+    tok, model = warmup.load_model(args, env)
+    with contextlib.redirect_stdout(io.StringIO()):
+        path, _ = warmup.warmup(args, tok, model, env, "cpu")
+    assert warmup.base_info(path)["shipped"]
+
+
+def shipped_copy(tmp_path, monkeypatch):
+    """The shipped folder copied to tmp_path, and warmup pointed at the copy."""
+    import shutil
+    folder = tmp_path / "tooluse"
+    shutil.copytree(warmup.SHIPPED, folder)
+    monkeypatch.setattr(warmup, "SHIPPED", str(folder))
+    return folder
+
+
+def refused(capsys, fn):
+    with pytest.raises(SystemExit) as e:
+        fn()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_shipped_file_that_differs_from_its_hash_is_refused_in_one_line(tmp_path, monkeypatch, capsys, name):
+    folder = shipped_copy(tmp_path, monkeypatch)
+    data = bytearray((folder / name).read_bytes())
+    data[len(data) // 2] ^= 1                                                     # one bit
+    (folder / name).write_bytes(bytes(data))
+    args = train.parse_args(["--out_dir", str(tmp_path / "runs")])
+    env = envs.make_env(args.env)
+
+    def load():
+        tok, model = warmup.load_model(args, env)
+        warmup.warmup(args, tok, model, env, "cpu")
+    err = refused(capsys, load)
+    assert name in err and "sha256" in err and "git checkout base/" in err
+
+
+def test_a_recipe_that_no_longer_matches_the_shipped_files_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """The code's recipe changed (here: the forms of context the warm-up teaches) but the flags did not: the shipped
+    files are not this recipe's base, and mixing them in silently would be wrong."""
+    monkeypatch.setattr(warmup, "CONTEXT_FORMS", {**warmup.CONTEXT_FORMS, "solution": 0.5})
+    args = train.parse_args(["--out_dir", str(tmp_path)])
+    env = envs.make_env(args.env)
+    tok, model = warmup.load_model(args, env)
+    err = refused(capsys, lambda: warmup.warmup(args, tok, model, env, "cpu"))
+    assert "another recipe" in err and "python -m bench.ship_base" in err and "--build_base" in err
+
+
+def test_the_gate_on_acting_names_a_base_that_cannot_act(capsys):
+    """A base built here under ACT_FLOOR of the shipped base's held-out reward says so (stderr, one line) and in
+    summary.json's base; one that acts, the shipped base and other models say nothing."""
+    ref = warmup.manifest()["facts"]["reward"]
+    run = lambda base, **kw: types.SimpleNamespace(base=base, args=train.parse_args([f"--{k}={v}" for k, v in kw.items()]))
+    weak, fine, shipped = run({}, warmup_seed=5), run({}, warmup_seed=6), run({"shipped": "base/tooluse"})
+    assemble.acts(weak, 0.3 * ref)
+    out = capsys.readouterr()
+    assert weak.base["acts"] is False and out.err.count("\n") == 1 and "cannot act" in out.err and "shipped" in out.err
+    assemble.acts(fine, 0.9 * ref)
+    assemble.acts(shipped, 0.0)
+    assert fine.base["acts"] is True and "acts" not in shipped.base and capsys.readouterr().err == ""
+
+
 def test_paired_gap_by_hand():
     mean, lo, hi = bk.paired_gap([1.0, 0.5, 0.0], [0.0, 0.5, 0.0, 1.0])   # b's extra task is not the teacher's
     assert mean == pytest.approx(1 / 3) and lo <= mean <= hi and lo >= 0 and hi <= 1
@@ -142,19 +273,22 @@ def test_the_premise_line_only_when_the_teacher_knows_no_more(capsys):
     assert out.err.count("\n") == 1 and "knows nothing its student does not" in out.err and "--warmup_seed" in out.err
 
 
-@pytest.mark.skipif(not os.environ.get("LOPD_BASE"), reason="opt-in: LOPD_BASE=1 (builds the default base, ~6 min)")
-def test_the_default_base_has_a_teacher_above_its_student(default_base):
-    """What every method rests on, for the base this machine builds: LOPD's teacher, its latents composed after
-    the cold start, is at least 10 points above its student on the same 100 held-out tasks (greedy), and
-    the run prints that gap. The base is the notebooks' (`runs`: built once for both tiers)."""
-    runs, seed = default_base, train.parse_args(base_flags()).warmup_seed
-    out = subprocess.run([sys.executable, "train.py", *base_flags(), "--out_dir", runs, "--name", f"base-gap-w{seed}",
-                          "--overwrite", "--setup_free", "--episodes", "16", "--eval_tasks", "100", "--teacher_eval", "100",
-                          "--eval_samples", "0"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.load(open(os.path.join(runs, f"base-gap-w{seed}", "summary.json")))
-    gap = summary["teacher_gap_base"]
-    print(f"warm-up seed {seed}, torch {summary['base']['torch']}, {summary['base']['cpu_kernels']}: reading "
-          f"{summary['base']['reading'][-1]}, teacher - student {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]")
-    assert "teacher - student at the base" in out.stdout
-    assert gap[0] >= 0.10, f"the teacher is {gap[0]:+.3f} over its student: this base does not read ({out.stderr[-400:]})"
+REWARD_TOLERANCE = 0.01  # greedy decoding from one set of weights: the held-out reward, 500 of 500 tasks, has been
+# the same to the last task under AVX2, AVX-512 and no-SIMD kernels; 0.01 is five tasks of 500 flipped
+
+
+@pytest.mark.skipif(not os.environ.get("LOPD_BASE"), reason="opt-in: LOPD_BASE=1 (the base's evaluation and a cold start, ~2 min)")
+def test_the_shipped_base_measures_here_what_its_manifest_says(base_gap):
+    """The base tier, on whatever machine runs it: train.py from the shipped base evaluates it at its manifest's held-out
+    reward (within REWARD_TOLERANCE), and LOPD's teacher, its latents composed after this machine's cold start, is at
+    least 15 points over its student on the same 100 held-out tasks, its interval's lower end above 0 (the run prints
+    the gap). The run is the notebooks' (conftest.base_gap: notebook 4 must find the same gap). LOPD_WARMUP_SEED=W:
+    a base built here instead, held to the teacher's gap only."""
+    summary, stdout = base_gap
+    gap, facts = summary["teacher_gap_base"], warmup.manifest()["facts"]
+    print(f"{summary['base']}: base reward {summary['base_reward']:.3f}, teacher - student {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}]")
+    assert "teacher - student at the base" in stdout
+    if summary["base"].get("shipped"):
+        assert "base: the shipped one" in stdout
+        assert abs(summary["base_reward"] - facts["reward"]) <= REWARD_TOLERANCE, (summary["base_reward"], facts["reward"])
+    assert gap[0] >= 0.15 and gap[1] > 0, f"the teacher is {gap[0]:+.3f} [{gap[1]:+.3f}, {gap[2]:+.3f}] over its student"

@@ -35,9 +35,9 @@ MAX_BYTES = 500_000
 
 
 @pytest.fixture(scope="session")
-def runs(default_base):
-    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; the repo's runs/ for a reader), with train.py's
-    default base built in it once (conftest.default_base; test_base.py's tier reads the same one)."""
+def runs(default_base, base_gap):
+    """The caches the notebooks share (LOPD_NOTEBOOK_RUNS; the repo's runs/ for a reader): train.py's default base,
+    and the setup of the base tier's run (conftest.base_gap), whose teacher gap notebook 4 must find."""
     return default_base
 
 
@@ -129,9 +129,11 @@ def facts_03(out):
     assert re.search(r"retrieved experience is of the task's own family \d+% of the time", out)
 
 
-def facts_04(out):
-    """The teacher above its student at the checkpoint; the step by hand: Δ by hand = lopd.composer_loss's,
+def facts_04(out, gap):
+    """The teacher above its student at the checkpoint, by the very gap `python train.py` prints from the same base and
+    setup (the base tier's run: `gap`, its teacher_gap_base); the step by hand: Δ by hand = lopd.composer_loss's,
     L_distill by hand, and the same θ, φ, β and bank as train.lopd_step."""
+    assert float(re.search(r"teacher − student " + INTERVAL, out).group(1)) == round(gap[0], 3), gap
     by_hand, by_loss = re.search(r"Δ by hand ([-+\d.]+), lopd.composer_loss's Δ ([-+\d.]+)", out).groups()
     assert abs(float(by_hand) - float(by_loss)) < 1e-6
     fast, slow = re.search(r"L_distill = ([\d.]+) nats per agent token; by hand: ([\d.]+)", out).groups()
@@ -164,18 +166,19 @@ def test_there_are_notebooks():
     assert [os.path.basename(p) for p in NOTEBOOKS] == list(FACTS), NOTEBOOKS
 
 
-def runs_top_to_bottom(path, runs):
+def runs_top_to_bottom(path, runs, gap):
     t0 = time.time()
     nb = execute(path, runs)  # raises CellExecutionError, naming the cell, if any cell fails
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    FACTS.get(os.path.basename(path), lambda out: None)(printed)
+    check = FACTS[os.path.basename(path)]
+    check(printed, *([gap] if check is facts_04 else []))
     print(f"{os.path.basename(path)}: {time.time() - t0:.0f} s")
 
 
-# Executing them is a tier of its own, opt-in (~8 min on 2 cores: it builds train.py's default base,
-# 4.5 min, before the first one runs); .ci/run runs it after the README's test command. The style
+# Executing them is a tier of its own, opt-in (~5 min on 2 cores, after the base tier's run, whose setup they share,
+# ~2 min); .ci/run runs it after the README's test command. The style
 # check below runs in the quick suite.
 EXECUTE = pytest.mark.skipif(os.environ.get("LOPD_NOTEBOOKS") != "1",
                              reason="executing the notebooks is opt-in: LOPD_NOTEBOOKS=1")
@@ -187,15 +190,15 @@ EXECUTE = pytest.mark.skipif(os.environ.get("LOPD_NOTEBOOKS") != "1",
 @EXECUTE
 class TestNotebooksFirst:
     @pytest.mark.parametrize("path", NOTEBOOKS[:2], ids=os.path.basename)
-    def test_runs(self, path, runs):
-        runs_top_to_bottom(path, runs)
+    def test_runs(self, path, runs, base_gap):
+        runs_top_to_bottom(path, runs, base_gap[0]["teacher_gap_base"])
 
 
 @EXECUTE
 class TestNotebooksRest:
     @pytest.mark.parametrize("path", NOTEBOOKS[2:], ids=os.path.basename)
-    def test_runs(self, path, runs):
-        runs_top_to_bottom(path, runs)
+    def test_runs(self, path, runs, base_gap):
+        runs_top_to_bottom(path, runs, base_gap[0]["teacher_gap_base"])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)

@@ -36,7 +36,7 @@ def commands():
         code = [line for block in parts[1::2] for line in block.replace("\\\n", " ").splitlines()]   # fenced, joined at \\
         spans = [span.replace("\n", " ") for prose in parts[::2] for span in re.findall(r"`([^`]+)`", prose)]
         for text in code + spans:
-            for prog, rest in re.findall(r"python (train\.py|-m bench)([^`\n]*)", text):
+            for prog, rest in re.findall(r"python (train\.py|-m bench(?![.\w]))([^`\n]*)", text):   # not bench.ship_base
                 found.add((page, prog, rest.split(" #")[0].strip()))
     return sorted(found)
 

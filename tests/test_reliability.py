@@ -11,9 +11,11 @@ import io
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -136,19 +138,27 @@ def test_an_ablation_that_loads_the_cold_start_equals_one_that_builds_it(runs, t
     assert "setup: cached" not in capsys.readouterr().out
 
 
-def test_a_setup_is_shared_only_by_runs_on_as_many_threads(tmp_path):
-    """The setup's cache key holds the CPU thread count: bench.py's runs (one thread each) never load
-    a cold start that train.py built on two, whose floats differ, nor the other way round."""
-    args = train.Args(out_dir=str(tmp_path))
-    threads = torch.get_num_threads()
+def test_a_setup_is_built_on_the_same_threads_whatever_the_process_runs_on(tmp_path, monkeypatch):
+    """A setup's sums round by the threads they are split over: the setup is built on bk.BUILD_THREADS whatever the
+    process's own count (a notebook on one thread, the bench's runs, train.py on two share one cold start), its cache
+    key does not hold the process's count, and the process gets its own count back, after a setup that raised too."""
+    args, seen, threads = train.Args(out_dir=str(tmp_path)), [], torch.get_num_threads()
+    run = types.SimpleNamespace(args=args, code="code", state={}, episodes=0, log={}, skips_in_a_row=0, rng=random.Random(0),
+                                device=torch.device("cpu"))
     try:
         keys = []
-        for n in (1, 2, 1):
+        for n in (1, 2):
             torch.set_num_threads(n)
             keys.append(bk.setup_key(args, "warmup-x.pt", "code"))
+            with contextlib.redirect_stdout(io.StringIO()):
+                bk.cached_setup(run, lambda run: seen.append(torch.get_num_threads()), f"base-{n}")
+            assert torch.get_num_threads() == n
+        with pytest.raises(RuntimeError):
+            bk.cached_setup(run, lambda run: (_ for _ in ()).throw(RuntimeError("boom")), "base-raises")
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    assert keys[0] == keys[2] != keys[1]
+    assert keys[0] == keys[1] and seen == [bk.BUILD_THREADS] * 2
 
 
 def test_load_run_gives_back_the_run_at_its_checkpoint_and_writes_nothing(runs):
