@@ -331,7 +331,7 @@ def base_info(path):
 def load_model(args, env, dtype=torch.float32):
     """The tokenizer and the model before the warm-up, as every run (and test, and notebook) builds
     them: the BPE tokenizer learned from this environment's text (or bytes, or --model's own), and
-    the tiny model's init from torch's seed 1234, so that a warm-up built anywhere is the same base."""
+    the tiny model's init from torch's seed --warmup_seed, so that a warm-up built by the same kernels is the same base."""
     torch.manual_seed(args.warmup_seed)
     ranks = (shipped_ranks() if shipped(args) else merges(args, env)) if args.bpe_merges and not args.model else None
     return M.load(args.model or None, args.d_model, args.n_layer, ranks, dtype,

@@ -3,7 +3,7 @@
     python -m bench --env tooluse            # every entry x seeds 1,2,3 -> runs/compare-tooluse/results.md
     python -m bench --env tooluse --quick    # the quick entries x seeds 1,2,3 at 1024 episodes -> compare-tooluse-quick/
     python -m bench --env tooluse --tune     # lr ×1/3, ×1, ×3 and a knob per method on seed 0 -> compare-tooluse/tuning.json
-    python -m bench --env tooluse --warmup_seeds 1234,7,8   # every entry x seeds 1,2,3 on each of three bases
+    python -m bench --env tooluse --warmup_seeds 4,7,8   # every entry x seeds 1,2,3 on each of three bases
 
 Each run is its own `python train.py` process (a crash costs one run, not the bench), its
 output in <compare dir>/logs/<name>.log. Finished runs are reused, interrupted ones resumed

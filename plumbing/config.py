@@ -55,7 +55,7 @@ class ModelArgs:
                              "(a base that does not read: its teacher would know nothing more; 0 = never, 1 = always)",
                              lo=0, hi=1, group=MODEL)
     warmup_tail: float = arg(0.5, "the reading tail's steps, as a fraction of --warmup_steps", lo=0, group=MODEL)
-    warmup_seed: int = arg(1234, "the base's draw: the tiny model's init and the warm-up's demos and their order (the "
+    warmup_seed: int = arg(4, "the base's draw: the tiny model's init and the warm-up's demos and their order (the "
                            "default is the shipped base's, base/tooluse; another seed builds a base here)", group=MODEL)
     build_base: bool = arg(False, "build the base here from its recipe, even where it is the shipped one's (another draw: "
                            "this machine's float kernels round it their own way)", group=MODEL)

@@ -100,10 +100,10 @@ def test_played_is_what_greedy_decoding_plays(tmp_path, monkeypatch):
                                                                   for e, d in zip(eps, demos)]
 
 
-def test_warmup_seed_is_another_draw_and_the_default_is_todays(tmp_path, monkeypatch):
-    assert train.parse_args([]).warmup_seed == 1234
+def test_warmup_seed_is_another_draw_and_the_default_is_the_shipped_bases(tmp_path, monkeypatch):
+    assert train.parse_args([]).warmup_seed == warmup.manifest()["recipe"]["warmup_seed"] == 4
     a, _ = build(tmp_path / "a", [], 0, monkeypatch)
-    b, _ = build(tmp_path / "b", ["--warmup_seed", "1234"], 0, monkeypatch)
+    b, _ = build(tmp_path / "b", ["--warmup_seed", "4"], 0, monkeypatch)
     c, _ = build(tmp_path / "c", ["--warmup_seed", "5"], 0, monkeypatch)
     emb = lambda m: m.get_input_embeddings().weight
     assert torch.equal(emb(a), emb(b)) and not torch.equal(emb(a), emb(c))
