@@ -252,8 +252,9 @@ def warmup_key(args, tok, model, env):
 
 
 def warmup(args, tok, model, env, device):
-    """Supervised warm-up on noisy-expert demos, cached under out_dir, shared by every method.
-    -> (cache path, whether it came from the cache)."""
+    """The base: the shipped one where the run's recipe is its own (load_shipped), else the supervised warm-up on
+    noisy-expert demos, built here and cached under out_dir, shared by every method.
+    -> (the weights' path: the shipped file or the cache, whether they were loaded rather than built)."""
     if shipped(args):
         return load_shipped(args, tok, model, env), True
     key = warmup_key(args, tok, model, env)

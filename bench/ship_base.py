@@ -70,7 +70,8 @@ def gap_run(method, recipe, out_dir, eval_tasks):
 
 
 def facts(recipe, out_dir):
-    gap = lambda m: dict(zip(('mean', 'lo', 'hi'), bk.paired_gap(m['task_teacher_reward'], m['task_reward'])))
+    gap = lambda m: dict(zip(('mean', 'lo', 'hi'), (round(g, 4) for g in bk.paired_gap(m['task_teacher_reward'],
+                                                                                       m['task_reward']))))
     lopd_cmd, lopd = gap_run('lopd', recipe, out_dir, 500)
     opsd_cmd, opsd = gap_run('opsd', recipe, out_dir, 100)
     return {'reward': lopd['reward'], 'success': lopd['success'], 'eval_tasks': 500, 'teacher_eval': 100,

@@ -113,7 +113,7 @@ def test_a_fork_of_lopds_own_step(tmp_path, base_in, capsys):
     """tests/fork_lopd_step.py copies train.lopd_step whole, changes one line of block 6 (w centred on the batch)
     and registers it with `step=`. The copy is faithful: with LOPD's own w centred too (--advantage centered) both
     take the same two steps from one checkpoint, θ, φ and β bit for bit; with the paper's w, φ's second step
-    differs (β is 0 at the first); --compare's paired interval is printed."""
+    differs (β is 0 at the first, and above 0 at the second: m = 1 > Δ); --compare's paired interval is printed."""
     import importlib
     import fork_lopd_step
     importlib.reload(fork_lopd_step)                                            # registers lopd-centred-w
@@ -121,7 +121,8 @@ def test_a_fork_of_lopds_own_step(tmp_path, base_in, capsys):
         out = base_in(tmp_path)
         os.makedirs(out / "ck")
         flags = ["--method", "lopd", "--batch", "8", "--eval_tasks", "8", "--teacher_eval", "8", "--init_episodes", "32",
-                 "--cold_start_steps", "2", "--lr_composer", "1e-3", *TINY_BASE, "--out_dir", str(out), "--name", "ck"]
+                 "--cold_start_steps", "2", "--lr_composer", "1e-3", "--margin", "1", *TINY_BASE, "--out_dir", str(out),
+                 "--name", "ck"]   # m = 1: Δ < m, so β > 0 from the second step, whatever the cold start's draw
         train.build(train.parse_args(flags))
         capsys.readouterr()
         ck = str(out / "ck")

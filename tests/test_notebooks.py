@@ -58,7 +58,7 @@ def execute(path, runs):
 def facts_01(out):
     """Tool use: 46 families (40 with an opaque word), a graded reward, errors as observations, max_turns; the hand
     warm-up's loss falls from about log V; the base passes most checks of the words that spell their chain and few
-    of the opaque ones'; sampling costs little reward and passes several times more opaque checks than greedy; the
+    of the opaque ones'; sampling costs little reward and passes more opaque checks than greedy; the
     rollout's tokens and agent mask equal encode_episode's on N of N; no byte garbage in what is printed."""
     assert "\ufffd" not in out
     assert ("46 families: 11 of one word, 35 of two; 6 without an opaque word, 32 with one, 8 with two "
@@ -75,11 +75,11 @@ def facts_01(out):
     assert "train.py's warm-up: 800 steps of 32 demos, lr 0.003, 60% of the demos with a privileged context" in out
     transparent, opaque = (float(re.search(rf"checks passed, {k}\s+words: ([\d.]+)", out).group(1))
                            for k in ("transparent", "opaque"))
-    assert transparent > 0.7 and opaque < 0.1, (transparent, opaque)
+    assert transparent > 0.7 and opaque < 0.2, (transparent, opaque)
     (rs, os_, ms, bs), (rg, og, _, _) = [map(float, re.search(
         rf"{k}\s+reward ([\d.]+), opaque checks passed ([\d.]+), malformed actions ([\d.]+), blind marks ([\d.]+)",
         out).groups()) for k in ("sampled", "greedy")]
-    assert abs(rs - rg) < 0.05 and os_ > 3 * og and ms < 0.01 and bs < 0.01, (rs, rg, os_, og, ms, bs)
+    assert abs(rs - rg) < 0.05 and os_ > og and ms < 0.01 and bs < 0.01, (rs, rg, os_, og, ms, bs)
     same, n = re.search(r"rollout tokens and mask identical to encode_episode on (\d+) of (\d+)", out).groups()
     assert same == n, (same, n)
 
@@ -89,7 +89,7 @@ def facts_02(out):
     fitted Gaussians (reverse KL on one mode, forward KL and JSD wide); one forward per role equals the per-prefix
     loop, for each divergence; top-V = the full vocabulary; OPSD's and SDFT's contexts are one text (the expert's:
     the task is not in the pool); each context about the task lifts the base's greedy reward and opaque checks, and
-    another family's less; the KL sits on tool names and on tasks with an opaque word; no byte garbage."""
+    another family's less; the KL sits on tool names, on transparent and opaque tasks alike; no byte garbage."""
     assert "\ufffd" not in out
     D = dict(re.findall(r"^(\w+)\s+teacher \w+\s+loss distill\s+D = (\w+)$", out, re.M))
     assert D == {"lopd": "rkl", "trajtext": "rkl", "opsd": "fkl", "sdpo": "rkl", "sdft": "fkl"}, D
@@ -110,7 +110,7 @@ def facts_02(out):
     share = float(re.search(r"share of the KL by role: tool name (\d+)%", out).group(1))
     top = float(re.search(r"the top 10% carry (\d+)% of the total KL", out).group(1))
     t, o = (float(re.search(rf"mean KL per agent token, {k}\s+tasks: ([\d.]+)", out).group(1)) for k in ("transparent", "opaque"))
-    assert share > 50 and top > 50 and o > 2 * t, (share, top, t, o)
+    assert share > 50 and top > 50 and 0.5 < o / t < 2, (share, top, t, o)
 
 
 INTERVAL = r"([-+]\d\.\d+) \[([-+]\d\.\d+), ([-+]\d\.\d+)\]"
@@ -144,15 +144,14 @@ def facts_04(out, gap):
 
 def facts_05(out):
     """The new method registers, its teacher gap is measured beside OPSD's and LOPD's with the same two
-    controls, LOPD's gap excludes 0 and beats its donor control, the short run reports its change, and the
-    fork of LOPD's step runs from LOPD's checkpoint beside it, with a paired interval."""
+    controls, each gap excludes 0 and lies above its donor control's interval (the prose's reading), the short run
+    reports its change, and the fork of LOPD's step runs from LOPD's checkpoint beside it, with a paired interval."""
     assert "registered: True" in out
     rows = dict((name, tuple(map(float, g))) for name, *g in re.findall(r"^(\S+)\s+[\d.]+\s+" + INTERVAL + r"$", out, re.M))
     for m in ["two-donors", "opsd", "lopd"]:
         assert {m, f"{m}-donor", f"{m}-empty"} <= set(rows), rows
-    assert rows["lopd"][1] > 0 and rows["lopd"][0] > rows["lopd-donor"][0], rows
-    assert rows["two-donors"][1] > 0 and rows["two-donors"][0] <= rows["two-donors-donor"][0] + 0.02, rows  # the prose's reading
-    assert rows["opsd"][0] - rows["opsd-donor"][0] > rows["two-donors"][0] - rows["two-donors-donor"][0], rows
+    for m in ["two-donors", "opsd", "lopd"]:
+        assert rows[m][1] > 0 and rows[m][0] > rows[f"{m}-donor"][2], rows
     assert re.search(r"student: [\d.]+ -> [\d.]+ after \d+ episodes: " + INTERVAL, out)
     assert re.search(r"lopd-centred-w − lopd after 8 steps from \S+, paired on 100 held-out tasks: " + INTERVAL, out)  # the fork
 
