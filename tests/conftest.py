@@ -23,6 +23,23 @@ LONGEST_FIRST = ["test_smollm2.py", "TestNotebooksFirst", "test_real_models.py",
                  "TestNotebooksRest", "test_variants.py", "test_hf_model.py", "test_methods.py", "test_rollout.py", "test_fork.py"]
 
 
+def cpu_bf16_attention():
+    """Does torch's CPU attention run in bf16 here? Under ATEN_CPU_CAPABILITY=default on a CPU with AVX512-BF16 or AMX,
+    torch 2.14's flash-attention kernel raises ('pack_vnni2 is only supported when avx512 is supported'): a limit of
+    torch's kernels forced to no SIMD, not of this repo (a bf16 run there would stop at its first forward)."""
+    import torch
+    q = torch.zeros(2, 4, 64, 32, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+NEEDS_CPU_BF16 = pytest.mark.skipif(not cpu_bf16_attention(), reason="torch's CPU attention cannot run in bf16 under "
+                                    "these kernels (ATEN_CPU_CAPABILITY=default on an AVX512-BF16 CPU): conftest.cpu_bf16_attention")
+
+
 def shared_folder(tmp_path_factory, name):
     """A folder every test worker of this session sees (under xdist each worker has a basetemp of
     its own; their parent is the session's)."""

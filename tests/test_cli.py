@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
-from conftest import TINY_BASE  # noqa: E402
+from conftest import NEEDS_CPU_BF16, TINY_BASE  # noqa: E402
 from plumbing import registry  # noqa: E402
 
 torch.set_num_threads(1)
@@ -302,6 +302,7 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
         dataclasses.asdict(train.parse_args(["--env", "codegen"]))  # the saved config holds the values used
 
 
+@NEEDS_CPU_BF16
 def test_the_gpu_check_script_runs_on_cpu(tmp_path):
     """scripts/gpu_check.sh, the script a GPU machine runs, with small shapes on CPU: every check that
     needs no GPU passes (bf16 log-probs, cached decoding, tokens/s reported, 2 steps of LOPD, SDPO, GRPO with

@@ -13,7 +13,7 @@ import lopd  # noqa: E402
 import model as M  # noqa: E402
 import retrieval  # noqa: E402
 import train  # noqa: E402
-from conftest import TINY_BASE  # noqa: E402
+from conftest import NEEDS_CPU_BF16, TINY_BASE  # noqa: E402
 from plumbing import bookkeeping as bk  # noqa: E402
 from plumbing import parallel  # noqa: E402
 from plumbing.registry import with_default  # noqa: E402
@@ -92,6 +92,7 @@ def test_the_blocks_one_by_one_are_the_step(checkpoint):
     assert fn["beta"] == pytest.approx(want_beta) and np.isfinite(fn["beta"])
 
 
+@NEEDS_CPU_BF16
 def test_one_phi_step_at_the_papers_lr_moves_the_latents_under_bf16(checkpoint):
     """φ runs in float32 outside autocast: under bf16 autocast (a CUDA run's default; CPU runs it too), one
     composer-phase step at lr_φ 1e-5 changes the latents the teacher reads, not only the anchor's target."""

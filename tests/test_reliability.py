@@ -23,7 +23,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from plumbing import bookkeeping as bk  # noqa: E402
-from conftest import TINY_BASE  # noqa: E402
+from conftest import NEEDS_CPU_BF16, TINY_BASE  # noqa: E402
 import faults  # noqa: E402
 import train  # noqa: E402
 from plumbing import registry  # noqa: E402
@@ -280,6 +280,7 @@ def test_out_of_memory_names_the_knobs(tmp_path, base_in, capsys, monkeypatch):
     assert "out of memory" in lines[-1] and "--batch" in lines[-1] and "Traceback" not in "\n".join(lines)
 
 
+@NEEDS_CPU_BF16
 def test_bf16_autocast_runs_and_stays_finite(tmp_path, base_in):
     """--dtype bf16 exercises the autocast path (CPU supports bf16 autocast); the losses are fp32."""
     base_in(tmp_path)

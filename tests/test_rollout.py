@@ -192,6 +192,8 @@ def test_the_kv_cache_across_turns_reads_as_the_whole_conversation_again(setup, 
     episodes that end early leaving the batch, cut turns, and contexts of different lengths."""
     tok, env, m = setup
     m = copy.deepcopy(m).double()  # no argmax near-ties from round-off
+    if not fitted:  # short turns: sampled actions cut at max_action_tokens whatever the kernels draw
+        monkeypatch.setattr(env, "max_action_tokens", 4)
     tasks = env.eval_tasks[:10]
     prefixes = M.text_prefix(m, tok, [f"reference solution: {t.solution}\n" if i % 3 else "" for i, t in enumerate(tasks)]) \
         if fitted else None
