@@ -260,13 +260,13 @@ def warmup(args, tok, model, env, device):
     key = warmup_key(args, tok, model, env)
     path = os.path.join(args.out_dir, f'warmup-{env.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
 
+    @bk.build_threads()
     def build():
         # the base is the same for every run seed (one base, many methods) and wherever the same torch builds it
         # with the same CPU kernels (other kernels round otherwise: another base, cpu_kernels in the key); a fixed
         # thread count (bk.BUILD_THREADS), since sums split over threads round differently
-        rng, threads = random.Random(args.warmup_seed), torch.get_num_threads()
+        rng = random.Random(args.warmup_seed)
         torch.manual_seed(args.warmup_seed)
-        torch.set_num_threads(bk.BUILD_THREADS)
         pool, by_family = warmup_pool(env) if args.warmup_steps else ([], {})   # 20,000 tasks: seconds to draw
         probe, curve = probe_demos(env, pool, by_family) if PROBE_EVERY and pool and not args.model else None, []
         gate, gates = gate_demos(env, pool, by_family) if args.warmup_gate and tail_steps(args) and pool and not args.model else None, []
@@ -305,7 +305,6 @@ def warmup(args, tok, model, env, device):
             curve.append({'step': step, **reading(model, tok, probe, device)})
             print('warm-up: reading, the NLL drop per agent token when a context is shown: ' +
                   ', '.join(f'{f} {curve[-1][f]:+.3f}' for f in PROBE_FORMS))
-        torch.set_num_threads(threads)
         return {'model': M.trainable_state(model), 'key': key, 'reading': curve, 'gate': gates}  # with LoRA, only the adapter
 
     def apply(saved):

@@ -319,6 +319,18 @@ def load_module(module, saved):
 BUILD_THREADS = 2
 
 
+@contextlib.contextmanager
+def build_threads():
+    """Build a cache on BUILD_THREADS threads; the process gets its own count back after, an error included. Also a
+    decorator (`@build_threads()`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def setup_key(args, base_id, code):
     """What a method's setup depends on: every flag but those marked after_setup, the base, the code, and what rounds
     its sums (the torch and the CPU kernels: a cold start built under others is another draw, as a base is)."""
@@ -337,13 +349,9 @@ def cached_setup(run, setup, base_id):
     path = os.path.join(a.out_dir, f'setup-{a.method}-{a.env}-s{a.seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.pt')
     parts = ('episodes', 'log', 'skips_in_a_row')
 
+    @build_threads()
     def build():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(BUILD_THREADS)
-        try:
-            setup(run)
-        finally:
-            torch.set_num_threads(threads)
+        setup(run)
         return {'key': key, 'state': pack(run.state), **{k: getattr(run, k) for k in parts}, **get_rng(run)}
 
     def apply(saved):
