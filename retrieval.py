@@ -309,6 +309,11 @@ def phi_params(composer, reader):
     return list(composer.parameters()) + (list(reader.parameters()) if reader is not None else [])
 
 
+def phi(run):
+    """φ's parameters in a LOPD run's state (the composer's, and the reader's with --reader trained)."""
+    return phi_params(run.state['composer'], run.state['reader'])
+
+
 def compose(run, tasks, found, grad, read0=None):
     """Step 3: the reader (the frozen base, or with --reader trained its trainable copy) reads
     'task to solve: x / reference past trajectory: m_j'; the composer maps its hidden states to K
@@ -400,15 +405,16 @@ def fill_bank(run, rollout):
     a, rows = run.args, []
     n = max(a.batch, 64)  # no gradient here: a bigger batch only decodes faster
     for i in tqdm(range(0, a.init_episodes, n), desc='fill bank', dynamic_ncols=True):
-        with run.timer('rollout'):
-            tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
-            if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
-                eps, bodies, masks = expert_demos(run, tasks)
-            else:
-                eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks, rows=parallel.decode_rows(run, 0))
-                if a.bank_source == 'pool':  # the expert covers the tasks the base failed
-                    d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
-                    eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]
+        run.lap()
+        tasks = run.rng.sample(run.env.train_tasks, min(n, a.init_episodes - i))
+        if a.bank_source == 'expert':  # the scripted expert's demos, not the base's own
+            eps, bodies, masks = expert_demos(run, tasks)
+        else:
+            eps, bodies, masks = rollout(run.model, run.tok, run.env, tasks, rows=parallel.decode_rows(run, 0))
+            if a.bank_source == 'pool':  # the expert covers the tasks the base failed
+                d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
+                eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]
+        run.lap('rollout')
         run.episodes += len(tasks)  # the pool's demos of failed tasks are free, as OPSD's pool's are
         write_back(run, eps)
         rows += list(zip(eps, bodies, masks))
@@ -466,18 +472,20 @@ def cold_start(run, rollout):
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
     rows = [r for r in rows if r[0].success] if a.cold_start == 'nll' else rows
-    with run.timer('cold_start'):
-        rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
+    run.lap()
+    rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
+    run.lap('cold_start')
     opt = torch.optim.AdamW(phi_params(s['composer'], s['reader']), lr=a.lr_cold_start or a.lr or run.method.lr)  # its own stage
     for _ in (bar := tqdm(range(a.cold_start_steps if rows else 0), desc='cold start', dynamic_ncols=True)):
-        with run.timer('cold_start'):
-            pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
-                run.rng.sample(rows, min(32, len(rows)))
-            if a.micro_batch:  # --micro_batch: φ's gradient accumulated over groups of rows
-                loss = functools.partial(cold_start_micro, run, pick, a.micro_batch)
-            else:
-                loss = lopd.masked_mean(*cold_start_loss(run, pick))
-            loss = bk.optimizer_step(run, opt, loss, phi_params(s['composer'], s['reader']))
+        run.lap()
+        pick = balanced_sample(run.rng, rows, 32) if a.cold_start_sample == 'balanced' else \
+            run.rng.sample(rows, min(32, len(rows)))
+        if a.micro_batch:  # --micro_batch: φ's gradient accumulated over groups of rows
+            loss = functools.partial(cold_start_micro, run, pick, a.micro_batch)
+        else:
+            loss = lopd.masked_mean(*cold_start_loss(run, pick))
+        loss = bk.optimizer_step(run, opt, loss, phi_params(s['composer'], s['reader']))
+        run.lap('cold_start')
         if loss is not None:
             bar.set_postfix(loss=f'{float(loss.detach()):.3f}')
     s['composer0'].load_state_dict(s['composer'].state_dict())  # z0: the anchor from here on

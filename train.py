@@ -24,6 +24,7 @@ import json
 import os
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,9 @@ RUN = config.RUN
 class Args(config.ModelArgs):
     """The run; the model's and the warm-up's flags are config.ModelArgs', LOPD's own retrieval.LOPD_FLAGS, a
     baseline's in its block in plugins/."""
+    plugin: str = arg('', "a fork's own .py file (comma-separated: several), imported before the flags are read, so that "
+                      "the methods it registers run here and in the bench; saved, so --resume imports it again", after_setup=True,
+                      group=RUN)
     method: str = arg('lopd', 'the method: lopd (lopd_step below), or a baseline or variant (plugins/)', choices=lambda: list(METHODS),
                       group=RUN)
     env: str = arg('tooluse', 'environment', choices=lambda: list(envs.ENVS), group=RUN)
@@ -131,108 +135,99 @@ def rollout(model, tok, env, tasks, greedy=False, prefixes=None, temperature=1.0
     return eps, bodies, masks
 
 
-def logits_of(run, model, prefixes, ids, attn):
-    """Steps 4-5's scoring: every prefix of the batch, behind each row's context (model.logits_on), the
-    LM head in the run's --score_chunk positions and the body in its --micro_batch rows at a time."""
-    return M.logits_on(model, prefixes, ids, attn, run.args.score_chunk, run.args.micro_batch)
+def teacher_logits(run, prefixes, b):
+    """Step 4's scoring: the teacher reads each rollout behind its context (None: the bare <|bos|>) -> (B, T, V);
+    with the graph of whatever the contexts carry (LOPD's latents: φ's) where grad is on. The LM head runs in
+    --score_chunk positions and the body in --micro_batch rows at a time (model.logits_on)."""
+    return M.logits_on(run.teacher, with_default(run, prefixes), b.ids, b.attn, run.args.score_chunk, run.args.micro_batch)
+
+
+def student_logits(run, b):
+    """Step 5's scoring: the student π_θ(·|x, y<t) at every position of every rollout, no context -> (B, T, V)."""
+    return M.logits_on(run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn, run.args.score_chunk,
+                       run.args.micro_batch)
 
 
 # ----------------------------------------------------------------------------- LOPD (Algorithm 1)
 
-def play(run, tasks):
-    """Step 1 for a training batch: rollout at the run's sampling flags, --decode_rows at a time (under
-    torchrun each rank plays its share, and every rank gets the whole batch)."""
+def sample_batch(run, tasks):
+    """Step 1 for a training batch: the method's sampler (Method.sample), or θ's rollout at the run's sampling
+    flags, --decode_rows at a time; under torchrun each rank plays its share, and every rank gets the whole batch."""
     a = run.args
-    return parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, temperature=a.temperature, top_k=a.top_k,
-                                                   top_p=a.top_p, rows=parallel.decode_rows(run, a.micro_batch)), tasks)
-
-
-def update(run, opt, loss, params):
-    """One update of θ or φ, spelled out: zero_grad, backward, clip the gradient's norm to 1, step; a loss or a
-    gradient that is not finite never reaches the weights (bk.skip, the NaN guard)."""
-    opt.zero_grad(set_to_none=True)
-    if not loss.requires_grad:                                                  # nothing depends on them (nothing retrieved)
-        return
-    if torch.isfinite(loss):
-        loss.backward()
-        if torch.isfinite(torch.nn.utils.clip_grad_norm_(params, 1.0)):
-            run.skips_in_a_row = 0
-            return opt.step()
-    bk.skip(run, opt, loss)
+    roll = functools.partial(rollout, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                             rows=parallel.decode_rows(run, a.micro_batch))
+    sample = run.method.sample or (lambda run, ts, roll: roll(run.model, run.tok, run.env, ts))
+    eps, bodies, masks = parallel.shared(run, lambda ts: sample(run, ts, roll), tasks)
+    reward = torch.tensor([e.reward for e in eps], device=run.device)          # (B,) graded, in [0, 1]
+    return Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), reward)
 
 
 def lopd_step(run):
-    """One step of LOPD (Algorithm 1 of Zhang et al. 2026), top to bottom: eqs. (1)-(3) and the dual step as the
-    README writes them, w = 2r − 1. Where it departs from the authors' code (bingreeky/LOPD), and why: the
-    README's table of departures. Lines tagged (bookkeeping) time the phases; they are not the algorithm."""
-    a, s, tok = run.args, run.state, run.tok
+    """One step of LOPD (Algorithm 1 of Zhang et al. 2026), top to bottom: eqs. (1)-(3) and the dual step as
+    the README writes them, w = 2r − 1. -> the episodes it played (the loop counts them, and the step). Where
+    it departs from the authors' code (bingreeky/LOPD), and why: the README's table. run.lap times a phase."""
+    a, s = run.args, run.state
     tasks = run.rng.sample(run.env.train_tasks, a.batch)
-    train_phi = not a.freeze_composer                                           # step 6 on (the ablation: off)
+    train_phi = not a.freeze_composer                               # step 6 on (the ablation: off)
     # 1. rollout: the student π_θ samples one episode per task; A marks the tokens it generated
-    eps, bodies, masks = play(run, tasks)
-    ids, A, attn = M.pad_batch(bodies, masks, tok.pad, run.device)              # (B, T) each
-    r = torch.tensor([e.reward for e in eps], device=run.device)                # (B,) graded, in [0, 1]
-    run.episodes += len(eps)
-    run.lap('rollout')                                                          # (bookkeeping)
+    b = sample_batch(run, tasks)                                    # b.ids, b.amask = A (B, T); b.reward (B,)
+    run.lap('rollout')
     # 2. retrieve: the top-J successful past trajectories of similar tasks (never this task itself)
-    found = retrieval.retrieve(run, tasks, other_family=a.retrieval == 'other')   # B lists of ≤ J experiences
-    # 3. compose: φ maps the frozen base's reading of each experience to K latents z (φ0, the cold start's, to z0)
-    z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)                # (ΣN·K, d) each
-    prefixes = retrieval.latent_prefixes(run, z, found)                         # B × <|bos|><|ctx|>past: z_1 \n … z_J \n
-    has_z = torch.tensor([p is not None for p in prefixes], device=run.device)  # (B,) no latents: no teacher
-    # 4. teacher phase: the frozen teacher π_θ0(·|z, x, y<t) scores every agent token in one forward, φ's graph kept
-    teacher_scores = lambda: logits_of(run, run.teacher, with_default(run, prefixes), ids, attn)
-    with torch.set_grad_enabled(train_phi and not M.is_lora(run.model)):       # (LoRA: step 6 scores again)
-        logits_t = teacher_scores()                                             # (B, T, V)
-    run.lap('teacher')                                                          # (bookkeeping)
-    # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t)), one step of θ
+    found = retrieval.retrieve(run, tasks, other_family=a.retrieval == 'other')  # B lists of ≤ J
+    # 3. compose: φ maps the frozen base's reading of each experience to K latents z (φ0's: z0)
+    z, z0 = retrieval.compose(run, tasks, found, grad=train_phi)    # (ΣN·K, d) each
+    prefixes = retrieval.latent_prefixes(run, z, found)             # B × <|bos|><|ctx|>past: z_1 \n … z_J \n
+    has_z = torch.tensor([p is not None for p in prefixes], device=run.device)  # no latents: no teacher
+    # 4. teacher phase: the frozen teacher π_θ0(·|z, x, y<t) scores every agent token in one forward
+    with torch.no_grad():                                           # eq. (1)'s sg: step 5 needs no graph
+        logits_t = teacher_logits(run, prefixes, b)                 # (B, T, V)
+    run.lap('teacher')
+    # 5. student phase, eq. (1): L_distill = mean_{t∈A} KL(π_θ(·|x, y<t) ‖ sg π_T(·|z, x, y<t)), a step of θ
+    A, D = b.amask * has_z[:, None], a.divergence or run.method.divergence   # D: reverse KL by default
     with M.train_mode(run.model):
-        student_scores = lambda: logits_of(run, run.model, M.bos_prefix(run.model, tok, len(eps)), ids, attn)
-        L_distill = lambda logits_s: lopd.distill_loss(logits_s, logits_t, A * has_z[:, None], a.divergence or 'rkl', a.topk)
-        logits_s = student_scores()                                             # (B, T, V)
-        loss_distill = L_distill(logits_s)
-        update(run, run.opt, loss_distill, run.model.parameters())
-        for _ in range(a.epochs - 1):                                           # --epochs: more steps toward the same π_T
-            update(run, run.opt, L_distill(student_scores()), run.model.parameters())
-    logits_s, logs = logits_s.detach(), {}                                      # θ's scores before its step, for step 6
-    run.lap('student')                                                          # (bookkeeping)
-    # 6. composer phase, eq. (3): one step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², Δ the margin (2)
+        logits_s = student_logits(run, b)                           # (B, T, V)
+        loss_distill = lopd.distill_loss(logits_s, logits_t, A, D, a.topk)
+        bk.optimizer_step(run, run.opt, loss_distill, run.model)
+        for _ in range(a.epochs - 1):                               # --epochs: more steps toward one π_T
+            loss = lopd.distill_loss(student_logits(run, b), logits_t, A, D, a.topk)
+            bk.optimizer_step(run, run.opt, loss, run.model)
+    logits_s, logs = logits_s.detach(), {}                          # π_θ before its step, for step 6
+    run.lap('student')
+    # 6. composer phase, eq. (3): a step of φ on KL(sg π_θ ‖ π_T^φ) + β(m − Δ) + λ‖z − sg z0‖², Δ eq. (2)
     if train_phi:
-        logits_t = teacher_scores() if M.is_lora(run.model) else logits_t      # (LoRA: θ's step changed what it held)
-        s_, t_, y, mask, w = logits_s[has_z], logits_t[has_z], ids[has_z], A[has_z], lopd.margin_weight(r[has_z], a.advantage)
-        logp_t, logp_s = lopd.token_logp(t_, y, mask), lopd.token_logp(s_, y, mask)   # log π_T^φ(y_t), log π_θ(y_t)
-        kl_term = a.kl_weight * lopd.composer_kl(s_, t_, mask)                  # KL(sg π_θ ‖ π_T^φ)
-        margin_term = s['beta'] * (a.margin - lopd.privileged_margin(logp_t, logp_s, mask, w))   # β(m − Δ)
-        anchor_term = a.lam * (dist := lopd.anchor(z, z0, relative=a.anchor == 'relative'))   # λ‖z − sg z0‖²
-        delta = lopd.privileged_margin(logp_t.detach(), logp_s, mask, w, by_tokens=True)   # Δ for β, weighted by tokens
-        bk.set_lr(s['opt_phi'], lr_phi(run))                                    # (bookkeeping) --lr_composer after a setup
-        update(run, s['opt_phi'], kl_term + margin_term + anchor_term, retrieval.phi_params(s['composer'], s['reader']))
-        s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)    # β ← max(0, β + η_β(m − Δ))
+        t_, s_ = teacher_logits(run, prefixes, b)[has_z], logits_s[has_z]   # π_T^φ again, with φ's graph
+        y, mask, w = b.ids[has_z], b.amask[has_z], lopd.margin_weight(b.reward[has_z], a.advantage)
+        logp_t, logp_s = lopd.token_logp(t_, y, mask), lopd.token_logp(s_, y, mask)  # log π_T^φ, log π_θ
+        kl_term = a.kl_weight * lopd.composer_kl(s_, t_, mask)      # KL(sg π_θ ‖ π_T^φ)
+        margin_term = s['beta'] * (a.margin - lopd.privileged_margin(logp_t, logp_s, mask, w))  # β(m − Δ)
+        dist = lopd.anchor(z, z0, relative=a.anchor == 'relative')  # ‖z − sg z0‖²
+        anchor_term = a.lam * dist
+        bk.optimizer_step(run, s['opt_phi'], kl_term + margin_term + anchor_term, retrieval.phi(run))
+        delta = lopd.privileged_margin(logp_t.detach(), logp_s, mask, w, by_tokens=True)  # Δ, by tokens
+        s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)   # β ← max(0, β + η_β(m − Δ))
         logs = dict(delta=delta.item(), anchor=dist.item(), drift=lopd.drift(z, z0).item())
-        run.lap('composer')                                                     # (bookkeeping)
+        run.lap('composer')
     # 7. write back: the successful rollouts join the bank
-    retrieval.write_back(run, eps)
-    run.record(loss=loss_distill.item(), reward=float(np.mean([e.reward for e in eps])), entropy=lopd.mean_entropy(logits_s, A).item(),
-               family_hit=retrieval.family_hit(run, eps, found), **logs)
-    run.step += 1
+    retrieval.write_back(run, b.eps)
+    entropy = lopd.mean_entropy(logits_s, b.amask).item()
+    run.record(loss=loss_distill.item(), reward=b.reward.mean().item(), entropy=entropy,
+               family_hit=retrieval.family_hit(run, b.eps, found), **logs)
+    return b.eps
 
 
 def lopd_state(run):
     """φ (the composer, and with --reader trained the reader too), its cold-start copy φ0 (for the
-    anchor), φ's optimizer, the multiplier β, the bank."""
+    anchor), φ's optimizer at lr_φ, the multiplier β, the bank."""
     emb = run.model.get_input_embeddings().weight
     composer = lopd.COMPOSERS[run.args.composer](emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
     # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a
     # trainable copy of θ0 (the tiny model is small enough to copy whole)
     reader = copy.deepcopy(run.model).train().requires_grad_(True) if run.args.reader == 'trained' else None
     frozen = lambda m: copy.deepcopy(m).requires_grad_(False) if m is not None else None
+    lr_phi = run.args.lr_composer or run.args.lr or run.method.lr
     return {'bank': retrieval.new_bank(run), 'composer': composer, 'composer0': frozen(composer), 'reader': reader,
-            'reader0': frozen(reader), 'opt_phi': torch.optim.AdamW(retrieval.phi_params(composer, reader), lr=lr_phi(run),
+            'reader0': frozen(reader), 'opt_phi': torch.optim.AdamW(retrieval.phi_params(composer, reader), lr=lr_phi,
                                                                   weight_decay=0.0), 'beta': 0.0}
-
-
-def lr_phi(run):
-    return run.args.lr_composer or run.args.lr or run.method.lr
 
 
 def lopd_context(run, eps):
@@ -259,20 +254,19 @@ def teacher_phase(run, b):
         ctx = embed_context(run, run.method.context(run, b.eps))
     keep = torch.tensor([p is not None for p in ctx], device=run.device)        # (B,) no context: no teacher
     with torch.set_grad_enabled(any(p is not None and p.requires_grad for p in ctx)):   # else no graph to keep
-        return Teacher(logits_of(run, run.teacher, with_default(run, ctx), b.ids, b.attn), keep, ctx)
+        return Teacher(teacher_logits(run, ctx, b), keep, ctx)
 
 
 def student_phase(run, b, teacher):
     """Step 5: one step of θ on the method's loss (--epochs steps for a distillation method, on the
     same rollouts and teacher scores); the student scores every prefix in one forward.
     -> the student's logits before the first step (detached, for an after-step hook) and its loss."""
-    score = lambda: logits_of(run, run.model, M.bos_prefix(run.model, run.tok, b.ids.shape[0]), b.ids, b.attn)
-    logits_s = score()                                                          # (B, T, V)
+    logits_s = student_logits(run, b)                                           # (B, T, V)
     loss = run.method.loss(run, b, logits_s, teacher)
     logits_s = logits_s.detach()                                                # before the step: θ's head as it scored
     bk.optimizer_step(run, run.opt, loss, run.model)
     for _ in range(run.args.epochs - 1):
-        bk.optimizer_step(run, run.opt, run.method.loss(run, b, score(), teacher), run.model)
+        bk.optimizer_step(run, run.opt, run.method.loss(run, b, student_logits(run, b), teacher), run.model)
     if run.teacher_kind == 'ema':
         lopd.ema_update(run.teacher, M.trained(run.model), run.args.ema_rate or run.method.ema_rate)
     return logits_s, loss.item()
@@ -280,25 +274,31 @@ def student_phase(run, b, teacher):
 
 def train_step(run):
     """One step of a registered method (every one but LOPD, whose step is lopd_step) on a fresh batch:
-    rollout (or the method's own sampler) -> teacher_phase -> student_phase -> the method's after-step hook."""
+    sample_batch (θ's rollout, or the method's sampler) -> teacher_phase -> student_phase -> the method's
+    after-step hook. -> the episodes it played."""
     a, m = run.args, run.method
     tasks = [t for t in run.rng.sample(run.env.train_tasks, a.batch // m.group) for _ in range(m.group)]
-    with run.timer('rollout'):  # under torchrun each rank rolls out its share, and every rank gets the whole batch
-        play = functools.partial(rollout, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                 rows=parallel.decode_rows(run, a.micro_batch))
-        eps, bodies, masks = parallel.shared(run, lambda ts: m.sample(run, ts, play) if m.sample else
-                                             play(run.model, run.tok, run.env, ts), tasks)
-        b = Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), torch.tensor([e.reward for e in eps], device=run.device))
-    run.episodes += len(eps)
-    with run.timer('teacher'):
-        teacher = teacher_phase(run, b)
-    with run.timer('student'), M.train_mode(run.model):
+    b = sample_batch(run, tasks)
+    run.lap('rollout')
+    teacher = teacher_phase(run, b)
+    run.lap('teacher')
+    with M.train_mode(run.model):
         logits_s, loss = student_phase(run, b, teacher)
+    run.lap('student')
     with torch.no_grad():  # what success hides: does the student's entropy collapse?
         entropy = lopd.mean_entropy(logits_s, b.amask).item()
-    logs = {'loss': loss, 'reward': float(np.mean([e.reward for e in eps])), 'entropy': entropy,
-            **m.after_step(run, b, logits_s, teacher)}
-    run.record(**logs)
+    run.record(loss=loss, reward=b.reward.mean().item(), entropy=entropy, **m.after_step(run, b, logits_s, teacher))
+    return b.eps
+
+
+def take_step(run):
+    """One training step as the loop takes it: the method's step (lopd_step for LOPD, else train_step) returns the
+    episodes it played; the loop, not the step, counts them and the step (a step need not touch a counter)."""
+    run.lap()                                                                   # a step's phases are timed from here
+    eps = (run.method.step or train_step)(run)
+    if eps is None:
+        bk.die(f'the step of {run.args.method} returned None: a step returns the episodes it played')
+    run.episodes += len(eps)
     run.step += 1
 
 
@@ -319,7 +319,7 @@ def build(args):
 def load_run(run_dir):
     """A run folder -> the live run at its last checkpoint, as `--resume` rebuilds it: model,
     teacher, optimizer, the method's state, every RNG. For notebooks and scripts: it writes
-    nothing, and a `train_step(run)` on it is the step the run would take next."""
+    nothing, and a `take_step(run)` on it is the step the run would take next."""
     return build(parse_args(['--resume', run_dir]))
 
 
@@ -344,8 +344,7 @@ def main(argv=None):
         while spent() < args.episodes and not guard.stop(run.device):                # the loop
             before = run.episodes
             with run.autocast():
-                run.lap()                                                          # a step's phases are timed from here
-                (run.method.step or train_step)(run)                               # lopd_step for LOPD
+                take_step(run)                                                     # lopd_step for LOPD
             bar.update(run.episodes - before)
             if run.step % args.eval_every == 0 or spent() >= args.episodes:
                 with run.autocast():
@@ -376,5 +375,30 @@ import plugins.variants  # noqa: E402,F401  PSP, SOD, ACSD, VASPO
 import plugins.tooluse_v1  # noqa: E402,F401  --env tooluse-v1
 import plugins.codegen  # noqa: E402,F401  --env codegen
 
+
+
+# ----------------------------------------------------------------------------- names that moved (CHANGELOG.md)
+
+def play(run, tasks):
+    """Moved: sample_batch(run, tasks), which returns a Batch. -> (episodes, bodies, agent masks), as before."""
+    warnings.warn('train.play moved to train.sample_batch (it returns a Batch)', DeprecationWarning, stacklevel=2)
+    a = run.args
+    return parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, temperature=a.temperature, top_k=a.top_k,
+                                                   top_p=a.top_p, rows=parallel.decode_rows(run, a.micro_batch)), tasks)
+
+
+def update(run, opt, loss, params):
+    """Moved: bookkeeping.optimizer_step(run, opt, loss, params), the one update of θ and φ."""
+    warnings.warn('train.update moved to plumbing.bookkeeping.optimizer_step', DeprecationWarning, stacklevel=2)
+    return bk.optimizer_step(run, opt, loss, list(params))
+
+
+def logits_of(run, model, prefixes, ids, attn):
+    """Moved: teacher_logits(run, prefixes, b) and student_logits(run, b)."""
+    warnings.warn('train.logits_of moved to train.teacher_logits / train.student_logits', DeprecationWarning, stacklevel=2)
+    return M.logits_on(model, prefixes, ids, attn, run.args.score_chunk, run.args.micro_batch)
+
+
 if __name__ == '__main__':
+    sys.modules.setdefault('train', sys.modules['__main__'])  # a --plugin's `import train` is this module, not a second one
     main()

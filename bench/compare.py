@@ -48,8 +48,8 @@ import warmup
 from bench import gap  # the reports that train nothing: --teacher_gap, --memory
 from bench import report  # what a compare writes: rows with intervals, tables, curves
 from bench.entries import (CONFIRM_SEED, COST, ENTRIES, OWN, QUICK_ENTRIES, QUICK_FLAGS, ROOT, TUNE, Parser, die,
-                           for_method, method_of, train_args)
-from plumbing import bookkeeping
+                           for_method, method_of, read_registry, train_args)
+from plumbing import bookkeeping, config
 from plumbing.registry import METHODS
 
 def plan(prefix, entry, own, flags, env, seed, label='', base=None):
@@ -61,19 +61,19 @@ def plan(prefix, entry, own, flags, env, seed, label='', base=None):
     flags = for_method(flags, method_of(entry))
     args = train_args(flags + ['--env', env])
     a, b = dataclasses.asdict(train_args(own + ['--env', env])), dataclasses.asdict(args)
-    diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device'))
+    diff = sorted((k, v) for k, v in b.items() if a[k] != v and k not in ('episodes', 'device', 'plugin'))
     tag = '-' + hashlib.sha1(json.dumps(diff).encode()).hexdigest()[:6] if diff else ''
     name = f"{prefix}-{entry}-{env}-e{b['episodes']}{tag}{label}-s{seed}"
     shared = METHODS[args.method].setup and bookkeeping.setup_key(dataclasses.replace(args, seed=seed), '', train.CODE)
     return {'entry': entry, 'seed': seed, 'name': name, 'budget': b['episodes'], 'flags': flags + ['--env', env],
-            'setup': shared or None, 'warmup_seed': args.warmup_seed}
+            'setup': shared or None, 'warmup_seed': args.warmup_seed, 'code': bookkeeping.code_of(METHODS[args.method])}
 
 
-def status(run_dir, budget):
+def status(run_dir, budget, code=None):
     """'done' (summary.json at the budget), 'resume' (a checkpoint to continue), 'new', or
-    'stale' (made by other code: train.CODE differs; it is run again from scratch)."""
+    'stale' (made by other code: its fingerprint is not `code`, train.CODE for the repo's methods; run again from scratch)."""
     cfg = report.read_json(os.path.join(run_dir, 'config.json'))
-    if cfg is not None and cfg.get('code') != train.CODE:
+    if cfg is not None and cfg.get('code') != (code or train.CODE):
         return 'stale'
     s = report.read_json(os.path.join(run_dir, 'summary.json'))
     if s and s.get('episodes', 0) >= budget:
@@ -109,7 +109,7 @@ def launch(cmd, log_path, env, signals=()):
 
 def run_all(runs, out_dir, log_dir, jobs):
     """Launch every run not yet finished, `jobs` at a time -> (launched, failed) names."""
-    todo = [(r, status(os.path.join(out_dir, r['name']), r['budget'])) for r in runs]
+    todo = [(r, status(os.path.join(out_dir, r['name']), r['budget'], r.get('code'))) for r in runs]
     todo = [(r, s) for r, s in todo if s != 'done']
     if not todo:
         return [], []
@@ -178,6 +178,8 @@ def parse(argv):
     p = Parser(prog='python -m bench', description=__doc__.split('\n')[0], allow_abbrev=False,  # --seed must not abbreviate --seeds
                epilog='Other --flag value pairs are forwarded to train.py for every run.')
     p.add_argument('--env', default='tooluse', help='environment (train.py --env)')
+    p.add_argument('--plugin', default='', metavar='FILE[,FILE]', help="a fork's own .py file: the methods it registers "
+                   "become entries (train.py --plugin, forwarded to every run)")
     p.add_argument('--methods', default='', help=f"comma-separated entries of {', '.join(ENTRIES)} "
                    f"(default: all; --quick: {','.join(QUICK_ENTRIES)})")
     p.add_argument('--seeds', default='', help='comma-separated seeds >= 1 (default 1,2,3)')
@@ -212,6 +214,12 @@ def parse(argv):
     bad = [t for t in extras if t.split('=')[0] in OWN]
     if bad:
         die(f'{bad[0]} is set by bench per run (use --methods / --seeds)')
+    if o.plugin:  # its methods join the registry, then the entries; every run imports it too (train.py --plugin)
+        for path in o.plugin.split(','):
+            config.load_plugin(path)
+        read_registry()
+        o.plugin = ','.join(os.path.abspath(os.path.expanduser(p)) for p in o.plugin.split(','))
+        extras += ['--plugin', o.plugin]
     o.entries = [e for e in (o.methods or ','.join(QUICK_ENTRIES if o.quick else ENTRIES)).split(',') if e]
     unknown = [e for e in o.entries if e not in ENTRIES and not (o.teacher_gap and e in gap.GAP_EXTRA)]
     if unknown:

@@ -27,12 +27,23 @@ METHODS['lopd'].bench = {
     'lopd-self': dict(flags=['--allow_same_task'], cost=280),
     'lopd-offline': dict(flags=['--setup_free'], cost=300),
     'lopd-other': dict(flags=['--retrieval', 'other'], cost=280)}
-# entry -> train.py flags: every method's own entry first, then the ablations (Method.bench of each registered method)
-_BENCH = sorted(((e, name, b) for name, m in METHODS.items() for e, b in m.bench.items()),
-                key=lambda x: x[0] not in METHODS)
-ENTRIES = {e: ['--method', name] + b.get('flags', []) for e, name, b in _BENCH}
+ENTRIES, QUICK_ENTRIES, TUNE, COST = {}, [], {}, {}
+
+
+def read_registry():
+    """The tables below from the method registry, in place (again after `--plugin` registers more methods):
+    entry -> train.py flags, every method's own entry first, then the ablations (Method.bench of each method)."""
+    bench = sorted(((e, name, b) for name, m in METHODS.items() for e, b in m.bench.items()), key=lambda x: x[0] not in METHODS)
+    ENTRIES.clear()
+    ENTRIES.update({e: ['--method', name] + b.get('flags', []) for e, name, b in bench})
+    QUICK_ENTRIES[:] = [e for e, _, b in bench if b.get('quick')]
+    TUNE.clear()
+    TUNE.update({name: tuning_grid(name, m) for name, m in METHODS.items()})
+    COST.clear()  # seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
+    COST.update({e: b.get('cost', 300) for e, _, b in bench})
+
+
 # --quick: the quick entries × 3 seeds, 1024 episodes, evaluated every 256 episodes (at the default batch of 16) on 500 tasks
-QUICK_ENTRIES = [e for e, _, b in _BENCH if b.get('quick')]
 QUICK_FLAGS = ['--episodes', '1024', '--eval_tasks', '500', '--eval_every', '16']
 # --tune: the same grid for every method, its learning rate ×1/3, ×1, ×3 and one other setting of its key
 # knob (its own entry's knob=[...]); the default first, kept unless another setting beats it beyond the
@@ -44,10 +55,8 @@ def tuning_grid(name, m):
     return [[], lr(m.lr / 3), lr(m.lr * 3)] + ([knob] if knob else [])
 
 
-TUNE = {name: tuning_grid(name, m) for name, m in METHODS.items()}
+read_registry()
 CONFIRM_SEED = 100  # the second validation seed, where a setting that beat the default on seed 0 runs again beside it
-# seconds per full run on one of 2 busy cores (README's compare): only the launch order uses them
-COST = {e: b.get('cost', 300) for e, _, b in _BENCH}
 OWN = ('--method', '--seed', '--name', '--resume')  # set by bench per run, never forwarded
 
 

@@ -80,9 +80,10 @@ def build_pool(run, rollout):
     """Before training: the base's successes on --pool_episodes training tasks, by task."""
     n, pool = 64, run.state['pool']
     for i in tqdm(range(0, run.args.pool_episodes, n), desc='pool', dynamic_ncols=True):
-        with run.timer('rollout'):
-            eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)),
-                                rows=parallel.decode_rows(run, 0))
+        run.lap()
+        eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)),
+                            rows=parallel.decode_rows(run, 0))
+        run.lap('rollout')
         run.episodes += len(eps)
         for e in eps:
             if e.success:

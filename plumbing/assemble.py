@@ -35,8 +35,10 @@ def build(args, rollout, evaluate):
     run.model.to(run.device).eval()                                             # train mode only in θ's steps
     if args.grad_ckpt:  # the warm-up's backward holds a batch's activations too
         M.checkpoint_activations(run.model)
-    with run.timer('warmup'), parallel.rank0_first():
+    run.lap()
+    with parallel.rank0_first():
         wpath, _ = warmup.warmup(args, run.tok, run.model, run.env, run.device)
+    run.lap('warmup')
     run.base = {'warmup_seed': args.warmup_seed, **warmup.base_info(wpath)}    # which base, for summary.json
     torch.manual_seed(args.seed)
     if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter

@@ -128,7 +128,8 @@ class Run:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
     def lap(self, key=None):
-        """The seconds since the last lap go to times[key]; lap() starts the clock (a step's phases, one line each)."""
+        """The one timer: the seconds since the last lap go to times[key]; lap() starts the clock. A step's phases
+        are one line each (run.lap('rollout') after step 1, ...); train.take_step starts its clock."""
         if self.device.type == 'cuda':
             torch.cuda.synchronize()                                            # CUDA runs ahead of the host
         now, last = time.time(), getattr(self, '_lap', None)
@@ -140,15 +141,6 @@ class Run:
         """A step's numbers, averaged into the next evaluation's line of metrics.jsonl."""
         for k, v in logs.items():
             self.log.setdefault(k, []).append(v)
-
-    @contextlib.contextmanager
-    def timer(self, key):
-        sync = torch.cuda.synchronize if self.device.type == 'cuda' else lambda: None  # CUDA runs ahead of the host
-        sync()
-        t = time.time()
-        yield
-        sync()
-        self.times[key] = self.times.get(key, 0.0) + time.time() - t
 
 
 # ----------------------------------------------------------------------------- writing files
@@ -247,7 +239,7 @@ def load_checkpoint(run, path):
     os.replace(os.path.join(run.dir, 'metrics.jsonl.tmp'), os.path.join(run.dir, 'metrics.jsonl'))
 
 
-RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips', 'grad_ckpt', 'tensorboard', 'export')  # what --resume may change
+RESUMABLE = ('resume', 'episodes', 'device', 'dtype', 'max_skips', 'grad_ckpt', 'tensorboard', 'export', 'plugin')  # what --resume may change
 
 
 def resume_config(args, argv, config_class):
@@ -357,7 +349,11 @@ def cached_setup(run, setup, base_id):
     def apply(saved):
         if saved['key'] != key:
             raise ValueError('the key inside differs')
+        lrs = {k: [g['lr'] for g in o.param_groups] for k, o in run.state.items() if isinstance(o, torch.optim.Optimizer)}
         unpack(run.state, saved['state'])
+        for k, lr in lrs.items():  # the run's flags set an optimizer's lr (--lr_composer is not in the key), not the cache
+            for g, x in zip(run.state[k].param_groups, lr):
+                g['lr'] = x
         for k in parts:
             setattr(run, k, saved[k])
         set_rng(run, saved)

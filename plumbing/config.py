@@ -4,7 +4,10 @@
 flags); a bad flag or value is one line on stderr and exit status 2, never a traceback.
 """
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -82,6 +85,8 @@ class Parser(argparse.ArgumentParser):
 def parse_args(Args, argv=None, description=''):
     """--flags -> the config (the saved one, when resuming)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    for path in plugin_files(argv):  # before the parser: --method's choices and the flags include what they register
+        load_plugin(path)
     Config = config_class(Args)
     p = Parser(description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups = {t: p.add_argument_group(t) for t in (RUN, MODEL)}
@@ -105,8 +110,47 @@ def parse_args(Args, argv=None, description=''):
         a.micro_batch = 4 if a.model else 0
     if a.export:
         a.resume = a.resume or a.export
+    a.plugin = ','.join(os.path.abspath(os.path.expanduser(p)) for p in a.plugin.split(',') if p) or \
+        ','.join(fork_files(METHODS[a.method]))  # a fork run as `python my_variant.py`: resumable by train.py too
     check_args(a, given)
     return bk.resume_config(a, argv, Config) if a.resume else a
+
+
+def plugin_files(argv):
+    """The files --plugin names (comma-separated, the flag repeatable); with --resume, those the run saved."""
+    given = [v for i, t in enumerate(argv) for v in ([argv[i + 1]] if t == '--plugin' and i + 1 < len(argv) else
+                                                      [t.split('=', 1)[1]] if t.startswith('--plugin=') else [])]
+    resume = [v for i, t in enumerate(argv) for v in ([argv[i + 1]] if t in ('--resume', '--export') and i + 1 < len(argv) else
+                                                       [t.split('=', 1)[1]] if t.startswith(('--resume=', '--export=')) else [])]
+    for r in resume:  # a fork's run: its config.json names the files, which must be imported before the checkpoint is read
+        saved = os.path.join(r if os.path.isdir(r) else os.path.dirname(r), 'config.json')
+        with contextlib.suppress(OSError, ValueError):
+            given.append(json.load(open(saved)).get('plugin', ''))
+    return [p for v in given for p in v.split(',') if p]
+
+
+def load_plugin(path):
+    """Import a fork's file by its path, once (the script that was run, or a file already imported, is not imported
+    again): its `register(...)` calls add its methods. Its folder goes on sys.path, for its own imports."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        die(f'--plugin {path}: no such file')
+    if any(os.path.abspath(getattr(m, '__file__', None) or '') == path for m in list(sys.modules.values())):
+        return
+    name = os.path.splitext(os.path.basename(path))[0]
+    name = name if name not in sys.modules else f'plugin_{name}'
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(path))
+    spec.loader.exec_module(module)
+
+
+def fork_files(method):
+    """The files outside the repo's modules that a method's hooks come from (a fork's own file), for --plugin."""
+    hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step, method.step]
+    files = [getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None) for h in hooks if h]
+    return list(dict.fromkeys(os.path.abspath(f) for f in files if f and os.path.relpath(os.path.abspath(f), bk.ROOT)
+                              not in bk.MODULES))
 
 
 SETUP_BUDGETS = ('init_episodes', 'pool_episodes', 'steer_episodes')  # a method's setup rollouts, counted in --episodes

@@ -20,26 +20,27 @@ def evaluate(run, rollout):
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
     rows = parallel.decode_rows(run, a.micro_batch or 128)                      # decoded at once: the KV cache's rows
     play = lambda ts, **kw: parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
-    with run.timer('eval'):
-        eps = play(tasks, greedy=True)
-        out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
-        out['family'], out['actions'] = envs.by_family(eps), envs.action_stats(run.env, eps)
-        out['task_reward'] = [round(e.reward, 4) for e in eps]
-        if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
-            with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
-                torch.manual_seed(10_000 * a.seed + run.step)
-                sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
-            r = np.array([e.reward for e in sampled]).reshape(len(tasks), a.eval_samples)
-            out.update(reward_sampled=float(r.mean()), success_sampled=float(np.mean([e.success for e in sampled])),
-                       task_reward_sampled=[round(float(x), 4) for x in r.mean(1)])
-        if run.method.context and a.teacher_eval:
-            tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
-            out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
-            out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
-            prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
-            teps = parallel.shared(run, lambda ix: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in ix], greedy=True,
-                                                           prefixes=[prefixes[i] for i in ix], rows=rows)[0], list(range(len(tasks))))
-            out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
-            out['task_teacher_reward'] = [round(e.reward, 4) for e in teps]
-            out['teacher_success'] = float(np.mean([e.success for e in teps]))
+    run.lap()
+    eps = play(tasks, greedy=True)
+    out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
+    out['family'], out['actions'] = envs.by_family(eps), envs.action_stats(run.env, eps)
+    out['task_reward'] = [round(e.reward, 4) for e in eps]
+    if a.eval_samples:  # from a generator of its own: training never depends on how often or how much it evaluates
+        with torch.random.fork_rng(devices=[run.device] if run.device.type == 'cuda' else []):
+            torch.manual_seed(10_000 * a.seed + run.step)
+            sampled = play([t for t in tasks for _ in range(a.eval_samples)], temperature=EVAL_TEMPERATURE)
+        r = np.array([e.reward for e in sampled]).reshape(len(tasks), a.eval_samples)
+        out.update(reward_sampled=float(r.mean()), success_sampled=float(np.mean([e.success for e in sampled])),
+                   task_reward_sampled=[round(float(x), 4) for x in r.mean(1)])
+    if run.method.context and a.teacher_eval:
+        tasks = tasks[:a.teacher_eval]  # families cycle, so the first N are balanced
+        out['student_reward_same_tasks'] = float(np.mean([e.reward for e in eps[:len(tasks)]]))
+        out['student_success_same_tasks'] = float(np.mean([e.success for e in eps[:len(tasks)]]))
+        prefixes = with_default(run, embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
+        teps = parallel.shared(run, lambda ix: rollout(run.teacher, run.tok, run.env, [tasks[i] for i in ix], greedy=True,
+                                                       prefixes=[prefixes[i] for i in ix], rows=rows)[0], list(range(len(tasks))))
+        out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
+        out['task_teacher_reward'] = [round(e.reward, 4) for e in teps]
+        out['teacher_success'] = float(np.mean([e.success for e in teps]))
+    run.lap('eval')
     return bk.log_eval(run, out)

@@ -6,7 +6,8 @@ through train.train_step, one generic step of the same shape:
     rollout -> teacher_phase -> student_phase -> after_step
     (method.sample) method.context  method.loss     method.after_step
 
-A method is one `Method(...)` record, registered by name in METHODS. Its block holds everything
+A method is one `Method(...)` record, registered by name in METHODS. A step, train_step or a method's own,
+takes the run and returns the episodes it played; the loop (train.take_step) counts them and the steps. Its block holds everything
 that is its own: the context builder (pure: evaluation calls it too, so it may read but never
 change state), its loss, its state (created by `state`, saved in ckpt.pt and restored whatever it
 holds), a one-time `setup`, an `after_step` hook, the flags only it reads, and its bench entries.
@@ -66,8 +67,10 @@ class Method:
     state: Callable = lambda run: {}     # (run) -> dict of the method's own state (anything with state_dict, or plain data)
     setup: Optional[Callable] = None     # (run, rollout) -> None, once before training; cached (bookkeeping.cached_setup)
     after_step: Callable = lambda run, b, logits_s, teacher: {}  # -> dict of numbers to log
-    step: Optional[Callable] = None      # (run) -> None: a whole step of its own (LOPD's: train.lopd_step); None = train.train_step
-    flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads
+    step: Optional[Callable] = None      # (run) -> the episodes it played, a whole step of its own (LOPD's: train.lopd_step;
+    #                                      None = train.train_step); the loop counts them and the step (train.take_step)
+    flags: dict = field(default_factory=dict)  # name -> arg(...): the flags only this method reads (its loss's and, through
+    #                                            train_step with a teacher, TEACHER_FLAGS are added by register)
     bench: dict = field(default_factory=dict)  # the bench entry -> dict(flags=[...], cost=seconds, quick=bool, and on the
     #                                            method's own entry knob=[flags]: another setting of its key knob, which
     #                                            the bench --tune tries beside the learning rate ×1/3, ×1, ×3
@@ -77,9 +80,12 @@ METHODS: dict = {}
 
 
 def register(name, method, first=False):
-    """Add a method under a name (bench's entry of the same name is added unless it has one).
-    first=True lists it first (in -h and the bench), whichever file was imported first."""
+    """Add a method under a name (bench's entry of the same name is added unless it has one), with the flags it
+    reads: its own, its loss's (`distill` reads DISTILL_FLAGS), and TEACHER_FLAGS where train_step builds its
+    teacher. first=True lists it first (in -h and the bench), whichever file was imported first."""
     method.bench = method.bench or {name: {}}
+    reads_teacher = method.step is None and method.context is not None and method.teacher != 'none'
+    method.flags = {**getattr(method.loss, 'flags', {}), **(TEACHER_FLAGS if reads_teacher else {}), **method.flags}
     rest = {k: v for k, v in METHODS.items() if k != name and first}
     for k in rest:
         del METHODS[k]
@@ -128,3 +134,6 @@ def distill(run, b, logits_s, teacher):
     """L_distill = Σ_{t∈A} D(π_θ(·|x,y<t) ‖ sg π_T(·|c,x,y<t)) / |A| over the rollouts that got a teacher."""
     mask = b.amask * teacher.keep[:, None].to(b.amask)
     return lopd.distill_loss(logits_s, teacher.logits, mask, run.args.divergence or run.method.divergence, run.args.topk)
+
+
+distill.flags = DISTILL_FLAGS  # the flags it reads: a method whose loss is distill accepts them (register)

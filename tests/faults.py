@@ -20,13 +20,15 @@ from plumbing import registry  # noqa: E402
 
 
 def signal_after(step, sig, real):
-    """A training step (train.lopd_step, or train.train_step), then this process gets `sig` once run.step == step.
-    functools.wraps keeps the step's module, so the run's code fingerprint (and its cached setup) is the product's."""
+    """A training step (train.lopd_step, or train.train_step), then this process gets `sig` once `step` steps are done
+    (the loop counts this one after it returns). functools.wraps keeps the step's module, so the run's code fingerprint
+    (and its cached setup) is the product's."""
     @functools.wraps(real)
     def step_then_signal(run):
-        real(run)
-        if run.step == step:
+        eps = real(run)
+        if run.step + 1 == step:
             os.kill(os.getpid(), sig)
+        return eps
     return step_then_signal
 
 

@@ -416,7 +416,7 @@ def test_a_lopd_rollout_with_nothing_retrieved_is_masked_out_of_both_losses(out,
     run.state["bank"].add([retrieval.Experience(a.task_id, a.family, a.prompt, run.env.trajectory_text(win), 1.0)] * 3)
     run.env.train_tasks, run.args.batch = [a, b], 2
     seen, played_out, real = [], [], train.rollout
-    monkeypatch.setattr(train, "update", lambda run, opt, loss, params: seen.append(loss))  # θ and φ stay put
+    monkeypatch.setattr(train.bk, "optimizer_step", lambda run, opt, loss, params: seen.append(loss))  # θ and φ stay put
     monkeypatch.setattr(train, "rollout", lambda *x, **k: played_out.append(real(*x, **k)) or played_out[-1])
     monkeypatch.setattr(retrieval, "write_back", lambda run, eps: None)  # the bank as it was
     torch.manual_seed(0)
