@@ -11,7 +11,7 @@ warnings.filterwarnings('ignore', message='IProgress not found')               #
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-RUNS = os.environ.get('LOPD_NOTEBOOK_RUNS') or os.path.abspath(os.path.join(HERE, '..', 'runs'))
+RUNS = os.path.abspath(os.environ.get('LOPD_NOTEBOOK_RUNS') or os.path.join(HERE, '..', 'runs'))
 BASE = ['--warmup_seed', os.environ['LOPD_WARMUP_SEED']] if 'LOPD_WARMUP_SEED' in os.environ else []
 plt.rcParams.update({'figure.dpi': 80, 'savefig.dpi': 80})
 try:

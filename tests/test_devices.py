@@ -28,7 +28,7 @@ def test_no_tensor_is_made_without_a_device(method, base_in, tmp_path):
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             for _ in range(2):
-                (run.method.step or train.train_step)(run)
+                train.take_step(run)
             train.evaluate(run)
     finally:
         torch.set_default_device(None)

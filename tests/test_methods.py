@@ -101,7 +101,7 @@ def test_the_pool_holds_base_successes_of_training_tasks_only_and_counts_its_epi
         return [played(env, t, i % 2 == 0) for i, t in enumerate(tasks)], None, None
 
     run = fake_run(env, "opsd", episodes=0, model=None, args=types.SimpleNamespace(pool_episodes=100, decode_rows=-1),
-                   timer=lambda k: __import__("contextlib").nullcontext(), device=torch.device("cpu"))
+                   lap=lambda key=None: None, device=torch.device("cpu"))
     baselines.build_pool(run, rollout)
     pool, train_ids = run.state["pool"], {t.task_id for t in env.train_tasks}
     assert calls == [(64, 0), (36, 0)] and run.episodes == 100                   # on a CPU, each fill decoded at once
@@ -117,7 +117,7 @@ def test_lopd_bank_from_the_shared_pool_holds_base_successes_and_the_experts_dem
         eps = [played(env, t, i % 3 == 0) for i, t in enumerate(tasks)]
         return eps, *zip(*[M.encode_episode(tok, e) for e in eps])
 
-    run = fake_run(env, "lopd", episodes=0, model=None, tok=tokenizer.byte_tokenizer(), timer=lambda k: __import__("contextlib").nullcontext(),
+    run = fake_run(env, "lopd", episodes=0, model=None, tok=tokenizer.byte_tokenizer(), lap=lambda key=None: None,
                    args=types.SimpleNamespace(init_episodes=70, batch=16, bank_source="pool", embedder="", rerank="",
                                               bank_capacity=1000, allow_same_task=False, decode_rows=-1), device=torch.device("cpu"))
     run.state = {"bank": retrieval.new_bank(run)}

@@ -145,7 +145,8 @@ def facts_04(out, gap):
 def facts_05(out):
     """The new method registers, its teacher gap is measured beside OPSD's and LOPD's with the same two
     controls, each gap excludes 0 and lies above its donor control's interval (the prose's reading), the short run
-    reports its change, and the fork of LOPD's step runs from LOPD's checkpoint beside it, with a paired interval."""
+    reports its change, and the fork of LOPD's step runs 32 steps from LOPD's checkpoint beside it: a paired interval, and
+    a composer that moved otherwise."""
     assert "registered: True" in out
     rows = dict((name, tuple(map(float, g))) for name, *g in re.findall(r"^(\S+)\s+[\d.]+\s+" + INTERVAL + r"$", out, re.M))
     for m in ["two-donors", "opsd", "lopd"]:
@@ -153,7 +154,10 @@ def facts_05(out):
     for m in ["two-donors", "opsd", "lopd"]:
         assert rows[m][1] > 0 and rows[m][0] > rows[f"{m}-donor"][2], rows
     assert re.search(r"student: [\d.]+ -> [\d.]+ after \d+ episodes: " + INTERVAL, out)
-    assert re.search(r"lopd-centred-w − lopd after 8 steps from \S+, paired on 100 held-out tasks: " + INTERVAL, out)  # the fork
+    # the fork of LOPD's step: 32 steps beside lopd's from one checkpoint, a paired interval, and a φ that moved apart
+    assert re.search(r"lopd-kl-after − lopd after 32 steps from \S+, paired on 100 held-out tasks: " + INTERVAL, out)
+    (b0, d0), (b1, d1) = re.findall(r"^lopd\S*\s+β ([\d.]+), Δ [-+\d.]+ \(mean of 32 steps\), .*? ([\d.e+-]+) at step 32", out, re.M)
+    assert (b0, d0) != (b1, d1)
 
 
 FACTS = {"01_environments_and_rollouts.ipynb": facts_01, "02_on_policy_self_distillation.ipynb": facts_02,
