@@ -252,10 +252,15 @@ def embed(model, ids):
     return model.get_input_embeddings()(ids)
 
 
-def hidden(model, ids, mask):
-    """Last-layer hidden states of token ids (B, L) with right padding -> (B, L, d)."""
+def hidden(model, ids, mask, rows=0):
+    """Last-layer hidden states of token ids (B, L) with right padding -> (B, L, d), `rows` rows a forward (0: all).
+    The LM head runs on the last position only: every position's logits, unused here, are B × L × V floats (GiBs at
+    V = 151,936 for an evaluation's 100 rows)."""
+    if 0 < rows < ids.shape[0]:
+        return torch.cat([hidden(model, ids[i:i + rows], mask[i:i + rows]) for i in range(0, ids.shape[0], rows)])
+    kw = {'logits_to_keep': 1} if KEEP_KW[type(base_of(model))] else {}
     with layers_checkpointed(model):                                            # a trained reader's graph (--grad_ckpt)
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)   # nothing decodes
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, **kw)   # nothing decodes
     return out.hidden_states[-1]
 
 

@@ -347,7 +347,7 @@ def reading(run, tasks, found, reader):
     bodies = [experience_tokens(run, m) for f in found for m in f]
     ids, pool, attn = M.pad_batch([h + b for h, b in zip(heads, bodies)],
                                   [[0] * len(h) + [1] * len(b) for h, b in zip(heads, bodies)], run.tok.pad, run.device)
-    return run.state['composer'].read(M.hidden(reader, ids, attn), M.embed(reader, ids), pool)
+    return run.state['composer'].read(M.hidden(reader, ids, attn, run.args.micro_batch), M.embed(reader, ids), pool)
 
 
 def experience_tokens(run, m):

@@ -220,9 +220,9 @@ def lopd_state(run):
     anchor), φ's optimizer at lr_φ, the multiplier β, the bank."""
     emb = run.model.get_input_embeddings().weight
     composer = lopd.COMPOSERS[run.args.composer](emb.shape[1], run.args.K, scale=emb.std().item()).to(run.device)
-    # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a
-    # trainable copy of θ0 (the tiny model is small enough to copy whole)
-    reader = copy.deepcopy(run.model).train().requires_grad_(True) if run.args.reader == 'trained' else None
+    # the paper's code trains a LoRA on the encoder that reads the experiences; our reader is a trainable copy of θ0
+    # (the tiny model is small enough to copy whole), in float32: a bf16 --model's copy would have no master weights
+    reader = copy.deepcopy(run.model).float().train().requires_grad_(True) if run.args.reader == 'trained' else None
     frozen = lambda m: copy.deepcopy(m).requires_grad_(False) if m is not None else None
     lr_phi = run.args.lr_composer or run.args.lr or run.method.lr
     return {'bank': retrieval.new_bank(run), 'composer': composer, 'composer0': frozen(composer), 'reader': reader,

@@ -25,7 +25,13 @@ def gap_rows(run, rollout, tasks):
     built on the student's sampled rollouts of each task (G per task: SDPO's sibling), the first of
     each group taken. Every teacher also gets two controls: the context of another family's task
     (`donors`) and an empty one; LOPD and Traj-text a third: other-family experiences only (as latents, as text).
-    -> {row name: (teacher success per task, rows that got a context, utility statistics)}."""
+    -> {row name: (teacher success per task, rows that got a context, utility statistics)}. Under the run's autocast,
+    as train.py's loop runs (a bf16 --model's teacher reads float32 latents)."""
+    with run.autocast():
+        return _gap_rows(run, rollout, tasks)
+
+
+def _gap_rows(run, rollout, tasks):
     import torch
     G = run.method.group
     eps, bodies, masks = rollout(run.model, run.tok, run.env, [t for t in tasks for _ in range(G)])
@@ -180,7 +186,7 @@ def teacher_gap(o, out_dir, cmp_dir):
         bookkeeping.claim_run_dir(os.path.join(out_dir, args.name), True)
         run = train.build(args)
         tasks = run.env.eval_tasks[:o.gap_tasks]
-        with torch.no_grad():
+        with torch.no_grad(), run.autocast():
             if student is None:
                 student = [e.reward for e in train.rollout(run.model, run.tok, run.env, tasks, greedy=True)[0]]
             for name, r in gap_rows(run, train.rollout, tasks).items():

@@ -184,10 +184,26 @@ def check_training(path, device, quick, out, cuda):
     run(['--resume', os.path.join(out, 'cut'), '--episodes', str(3 * batch['grpo'])])
     last = lambda d: {k: metrics(os.path.join(out, d))[-1][k] for k in ('step', 'episodes', 'reward', 'task_reward')}
     same = last('whole') == last('cut')                                         # the evaluation after the third step
+    counted = all(last('whole')[k] == last('cut')[k] for k in ('step', 'episodes'))
     w = lambda d: torch.load(os.path.join(out, d, 'ckpt.pt'), map_location='cpu', weights_only=False)['model']
-    same_w = all(torch.equal(a, b) for a, b in zip(w('whole').values(), w('cut').values()))
-    row('resume', same and same_w, f"GRPO 2 steps + 1 resumed = 3 in one go: the last evaluation {'equal' if same else 'differs'}, "
-        f"weights {'equal' if same_w else 'differ'}")
+    ok_w, worst = same_weights(w('whole'), w('cut'), exact=not cuda)
+    row('resume', counted and ok_w and (same or cuda), f"GRPO 2 steps + 1 resumed = 3 in one go: the last evaluation "
+        f"{'equal' if same else 'differs'}{' (CUDA: reported only)' if cuda and not same else ''}, weights "
+        + (f"within {RESUME_RTOL:g} of their norm (worst {worst:.1e}; CUDA's backward adds in no fixed order)" if cuda
+           else 'equal bit for bit' if ok_w else f'differ (worst {worst:.1e})'))
+
+
+RESUME_RTOL = 1e-3   # on CUDA: a resumed run's weights within this fraction of each tensor's norm of the uninterrupted one's
+
+
+def same_weights(a, b, exact):
+    """Two checkpoints' weights (name -> tensor): bit for bit where the kernels are deterministic (CPU), else each
+    tensor within RESUME_RTOL of its norm (CUDA's attention backward sums in no fixed order, so a healthy resume
+    differs by rounding). -> (ok, the worst relative difference)."""
+    rel = [((x.float() - y.float()).norm() / y.float().norm().clamp(min=1e-12)).item() for x, y in zip(a.values(), b.values())]
+    worst = max(rel, default=0.0)
+    same = a.keys() == b.keys() and all(torch.equal(x, y) for x, y in zip(a.values(), b.values()))
+    return (same if exact else a.keys() == b.keys() and worst <= RESUME_RTOL), worst
 
 
 def check_torchrun(path, out):

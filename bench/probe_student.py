@@ -10,6 +10,7 @@ the teacher's token.
 
     python bench/probe_student.py STEPS LR TASKS EVERY [train.py flags]
     (e.g. 24 3e-4 8 8 --model $SMOL --env tooluse --method lopd ...; not part of the test suite)"""
+import contextlib
 import copy
 import json
 import os
@@ -29,10 +30,13 @@ from plumbing.registry import Batch  # noqa: E402
 steps, lr, n_tasks, every, extra = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
 os.chdir(ROOT)
 name = extra[extra.index('--name') + 1] if '--name' in extra else f'probe-student-{lr}'
-os.makedirs(os.path.join('runs', name), exist_ok=True)
+out_dir = extra[extra.index('--out_dir') + 1] if '--out_dir' in extra else 'runs'
+os.makedirs(os.path.join(out_dir, name), exist_ok=True)
 run = train.build(train.parse_args(['--eval_tasks', '4', '--eval_samples', '0', '--teacher_eval', '0', '--overwrite',
                                     '--lr', '3e-4', '--name', name, *extra]))   # LR acts in the probe's own optimizer: the run (and its cached setup) is the same
 tok, env, model = run.tok, run.env, run.model
+held = contextlib.ExitStack()
+held.enter_context(run.autocast())   # all below under the run's autocast, as train.py's loop runs
 tasks = random.Random(7).sample(env.train_tasks, n_tasks)
 trainable = [p for p in model.parameters() if p.requires_grad]
 lora = [m for m in model.modules() if hasattr(m, 'get_delta_weight') and hasattr(m, 'base_layer')]
@@ -113,5 +117,4 @@ def distill():
 train_loop('distill', distill)
 train_loop('sft-on-teacher', lambda: warmup.warmup_loss(model, tok, teps, [None] * len(teps), run.device,
                                                          chunk=run.args.score_chunk))
-os.makedirs('runs', exist_ok=True)
-json.dump(out, open(os.path.join('runs', name, 'probe.json'), 'w'), indent=1)
+json.dump(out, open(os.path.join(out_dir, name, 'probe.json'), 'w'), indent=1)

@@ -22,6 +22,9 @@ def build(args, rollout, evaluate):
     method's setup plays with `rollout`) and evaluated at the base (`evaluate`; the first checkpoint)."""
     method = METHODS[args.method]
     run = bk.Run(args, method, bk.code_of(method))
+    run.device_info = parallel.device_info(run.device, run.dtype)
+    if parallel.writer():
+        print(parallel.describe_device(run.device_info))                       # before anything is built on it
     run.env = envs.make_env(args.env)
     if args.model and not args.lora_r and run.dtype == torch.bfloat16:
         die('--lora_r 0 with --model in bf16 would train bf16 weights with no float32 master copy, where AdamW\'s '
@@ -41,7 +44,8 @@ def build(args, rollout, evaluate):
     run.lap('warmup')
     run.base = {'warmup_seed': args.warmup_seed, **warmup.base_info(wpath)}    # which base, for summary.json
     torch.manual_seed(args.seed)
-    if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter
+    if args.lora_r:  # θ0 = the warmed-up base, frozen; θ = θ0 + a fresh adapter. A bf16 --model's merge rounds the
+        # warm-up's delta into bf16 weights: the part of it under bf16's resolution (~0.4% of a weight) is lost
         run.model = M.with_lora(M.merged(run.model), run.tok, args.lora_r).to(run.device).eval()
     if args.grad_ckpt:
         M.checkpoint_activations(run.model)

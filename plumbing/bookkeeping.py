@@ -122,6 +122,7 @@ class Run:
         # set by train.build: the environment, tokenizer, student θ, teacher, θ's optimizer
         self.env = self.tok = self.model = self.teacher = self.opt = None
         self.base = None  # the base's draw: its warm-up seed, the torch and CPU kernels that built it, its reading curve
+        self.device_info = None  # what it computes on: device, dtype, torch (parallel.device_info; summary.json)
         self.tb = None  # the TensorBoard writer, opened at the first evaluation with --tensorboard
 
     def autocast(self):
@@ -508,6 +509,7 @@ def summarize(run):
                  'teacher_reward': final.get('teacher_reward'), 'teacher_success': final.get('teacher_success'),
                  'wall_seconds': round(wall, 1), 'time_split': {k: round(v, 1) for k, v in run.times.items()},
                  'skipped_updates': sum(run.log['skipped']), 'code': run.code, 'base': run.base,
+                 'device': run.device_info,
                  'teacher_gap_base': paired_gap(base.get('task_teacher_reward'), base['task_reward'])},
                 os.path.join(run.dir, 'summary.json'))
     split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)

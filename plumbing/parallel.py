@@ -31,6 +31,23 @@ def pick_device(name):
     return torch.device('cpu')
 
 
+def device_info(device, dtype):
+    """What a run computes on, for its first line and summary.json: the device (a GPU's name), the dtype, the torch
+    build; and why not CUDA, where this torch is built for CUDA but sees no device (a wheel whose CUDA the driver
+    does not run trains on the CPU, slowly, unless something says so)."""
+    info = {'device': str(device), 'dtype': 'bf16 autocast' if dtype == torch.bfloat16 else 'float32',
+            'torch': torch.__version__, 'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else None}
+    if device.type == 'cpu' and torch.version.cuda and not torch.cuda.is_available():
+        info['note'] = f'this torch is built for CUDA {torch.version.cuda} but sees no CUDA device'
+    return info
+
+
+def describe_device(info):
+    """-> 'device: cuda:0 (NVIDIA …), bf16 autocast, torch …[; note]' (one line)."""
+    name = f" ({info['name']})" if info.get('name') else ''
+    return f"device: {info['device']}{name}, {info['dtype']}, torch {info['torch']}" + (f"; {info['note']}" if info.get('note') else '')
+
+
 def decode_rows(run, today):
     """Rows decoded at once (--decode_rows; -1: on CUDA every row a KV-cache estimate fits in half the free memory,
     since one decoding step is launch-bound and costs about the same for 4 rows as for 64; elsewhere `today`, the
