@@ -414,7 +414,7 @@ def fill_bank(run, rollout):
             if a.bank_source == 'pool':  # the expert covers the tasks the base failed
                 d_eps, d_bodies, d_masks = expert_demos(run, [e.task for e in eps if not e.success])
                 eps, bodies, masks = [*eps, *d_eps], [*bodies, *d_bodies], [*masks, *d_masks]
-        run.lap('rollout')
+        run.lap('fill')
         run.episodes += len(tasks)  # the pool's demos of failed tasks are free, as OPSD's pool's are
         write_back(run, eps)
         rows += list(zip(eps, bodies, masks))

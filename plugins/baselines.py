@@ -83,7 +83,7 @@ def build_pool(run, rollout):
         run.lap()
         eps, _, _ = rollout(run.model, run.tok, run.env, run.rng.sample(run.env.train_tasks, min(n, run.args.pool_episodes - i)),
                             rows=parallel.decode_rows(run, 0))
-        run.lap('rollout')
+        run.lap('fill')
         run.episodes += len(eps)
         for e in eps:
             if e.success:

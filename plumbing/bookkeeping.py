@@ -116,6 +116,7 @@ class Run:
         self.step, self.episodes, self.metrics, self.wall, self.t0 = 0, 0, [], 0.0, time.time()
         self.setup_episodes = 0  # of run.episodes, those the method's setup sampled (--setup_free does not count them)
         self.times = {k: 0.0 for k in ['warmup', 'rollout', 'teacher', 'student', 'eval']}  # a method may add its own
+        self.peaks = {}  # on CUDA, each phase's peak of allocated memory, GiB (lap; summary.json's peak_gib)
         self.log = {'loss': [], 'reward': [], 'skipped': []}  # since the last evaluation (skipped: whole run)
         self.skips_in_a_row = 0
         self.state = {}  # the method's own (methods.Method.state)
@@ -136,6 +137,10 @@ class Run:
         now, last = time.time(), getattr(self, '_lap', None)
         if key is not None and last is not None:
             self.times[key] = self.times.get(key, 0.0) + now - last
+            if self.device.type == 'cuda':                                      # the phase's memory peak, since its lap()
+                self.peaks[key] = max(self.peaks.get(key, 0.0), torch.cuda.max_memory_allocated(self.device) / 2 ** 30)
+        if self.device.type == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._lap = now
 
     def record(self, **logs):
@@ -509,7 +514,7 @@ def summarize(run):
                  'teacher_reward': final.get('teacher_reward'), 'teacher_success': final.get('teacher_success'),
                  'wall_seconds': round(wall, 1), 'time_split': {k: round(v, 1) for k, v in run.times.items()},
                  'skipped_updates': sum(run.log['skipped']), 'code': run.code, 'base': run.base,
-                 'device': run.device_info,
+                 'device': run.device_info, 'peak_gib': {k: round(v, 3) for k, v in run.peaks.items()},
                  'teacher_gap_base': paired_gap(base.get('task_teacher_reward'), base['task_reward'])},
                 os.path.join(run.dir, 'summary.json'))
     split = ', '.join(f'{k} {v:.0f}s' for k, v in run.times.items() if v >= 0.5)
