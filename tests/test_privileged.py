@@ -114,7 +114,7 @@ def lopd_run(tok, model, K=3, reader="frozen", composer="mlp"):
                                 method=registry.METHODS["lopd"],
                                 args=types.SimpleNamespace(K=K, J=3, composer=composer, lr=0.0, lr_composer=1e-3, reader=reader,
                                                            bank_capacity=100, allow_same_task=False, embedder="ngram",
-                                                           rerank="none"))
+                                                           rerank="none", micro_batch=0))
     run.state = train.lopd_state(run)
     return run
 
