@@ -98,15 +98,16 @@ def test_every_command_of_the_current_pages_and_the_notebooks_parses(tmp_path):
     cmds = commands()
     assert len(cmds) > 20 and {page for page, _, _ in cmds} >= set(NOTEBOOKS) - {"01_environments_and_rollouts.ipynb"}
     before = dict(METHODS)
-    forks = {os.path.abspath(f) for f in (os.path.join(ROOT, "tests", "fork_variant.py"), os.path.join(ROOT, "tests",
-                                                                                              "fork_lopd_step.py"), *files.values())}
+    forks = set()   # the fork files a command imported: forgotten before the next, as a fresh process would have them
     try:
-        for page, prog, rest in cmds:   # each on the repo's methods alone, as a fresh process would see them
+        for page, prog, rest in cmds:   # each on the repo's methods alone
             METHODS.clear()
             METHODS.update(before)
-            for k in [k for k, m in sys.modules.items() if getattr(m, "__file__", None) in forks]:
+            for k in [k for k, m in sys.modules.items() if os.path.abspath(getattr(m, "__file__", None) or "/") in forks]:
                 del sys.modules[k]
             argv = concrete(rest, files)
+            script = [plugin_path(prog, files)] if prog.endswith(".py") and prog != "train.py" else []
+            forks |= {os.path.abspath(t) for i, t in enumerate(argv) if i and argv[i - 1] == "--plugin"} | set(map(os.path.abspath, script))
             known = {f.name for f in __import__("dataclasses").fields(train.config_class())}
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 try:
