@@ -98,16 +98,15 @@ def test_every_command_of_the_current_pages_and_the_notebooks_parses(tmp_path):
     cmds = commands()
     assert len(cmds) > 20 and {page for page, _, _ in cmds} >= set(NOTEBOOKS) - {"01_environments_and_rollouts.ipynb"}
     before = dict(METHODS)
-    forks = set()   # the fork files a command imported: forgotten before the next, as a fresh process would have them
     try:
-        for page, prog, rest in cmds:   # each on the repo's methods alone
+        for page, prog, rest in cmds:   # each on the repo's methods alone, its fork files imported afresh (a new process)
             METHODS.clear()
             METHODS.update(before)
-            for k in [k for k, m in sys.modules.items() if os.path.abspath(getattr(m, "__file__", None) or "/") in forks]:
-                del sys.modules[k]
             argv = concrete(rest, files)
             script = [plugin_path(prog, files)] if prog.endswith(".py") and prog != "train.py" else []
-            forks |= {os.path.abspath(t) for i, t in enumerate(argv) if i and argv[i - 1] == "--plugin"} | set(map(os.path.abspath, script))
+            forks = {os.path.abspath(t) for i, t in enumerate(argv) if i and argv[i - 1] == "--plugin"} | set(map(os.path.abspath, script))
+            for k in [k for k, m in sys.modules.items() if os.path.abspath(getattr(m, "__file__", None) or "/") in forks]:
+                del sys.modules[k]
             known = {f.name for f in __import__("dataclasses").fields(train.config_class())}
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 try:
