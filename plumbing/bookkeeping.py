@@ -48,12 +48,15 @@ def fingerprint(files=()):
 CODE = fingerprint()  # in config.json, summary.json, ckpt.pt: the bench reruns a run made by other code
 
 
-def code_of(method):
-    """The fingerprint of a run of this method: the repo's modules plus the files its hooks come
-    from (a method registered from outside the repo, e.g. tests/fork_variant.py)."""
+def hook_files(method):
+    """The files a method's hooks come from (the repo's modules, or a fork's own file, e.g. tests/fork_variant.py)."""
     hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step, method.step]
-    return fingerprint([f for f in (getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None)
-                                    for h in hooks if h) if f])
+    return [f for f in (getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None) for h in hooks if h) if f]
+
+
+def code_of(method):
+    """The fingerprint of a run of this method: the repo's modules plus the files its hooks come from."""
+    return fingerprint(hook_files(method))
 
 
 # ----------------------------------------------------------------------------- config fields and errors

@@ -147,10 +147,8 @@ def load_plugin(path):
 
 def fork_files(method):
     """The files outside the repo's modules that a method's hooks come from (a fork's own file), for --plugin."""
-    hooks = [method.loss, method.context, method.sample, method.state, method.setup, method.after_step, method.step]
-    files = [getattr(sys.modules.get(getattr(h, '__module__', None)), '__file__', None) for h in hooks if h]
-    return list(dict.fromkeys(os.path.abspath(f) for f in files if f and os.path.relpath(os.path.abspath(f), bk.ROOT)
-                              not in bk.MODULES))
+    return list(dict.fromkeys(os.path.abspath(f) for f in bk.hook_files(method)
+                              if os.path.relpath(os.path.abspath(f), bk.ROOT) not in bk.MODULES))
 
 
 SETUP_BUDGETS = ('init_episodes', 'pool_episodes', 'steer_episodes')  # a method's setup rollouts, counted in --episodes
