@@ -85,6 +85,11 @@ def base_in(tiny_base):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get("LOPD_SLOW"):  # the slow tier: CI runs it after the README's command (-m slow)
+        skip = pytest.mark.skip(reason="the slow tier is opt-in: LOPD_SLOW=1 python -m pytest tests -q -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     where = lambda item: rank.get(getattr(item.cls, "__name__", None), rank.get(item.path.name, len(rank)))
     items.sort(key=where)  # stable: the order within a module stays

@@ -43,6 +43,7 @@ def build(tmp_path, flags, probe_every, monkeypatch):
     return model, torch.load(path, weights_only=False)
 
 
+@pytest.mark.slow
 def test_the_reading_probe_leaves_the_base_as_it_was(tmp_path, monkeypatch):
     plain, saved_plain = build(tmp_path, [], 0, monkeypatch)
     probed, saved = build(tmp_path, [], 7, monkeypatch)

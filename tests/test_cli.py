@@ -303,6 +303,7 @@ def test_an_environments_own_defaults_apply_unless_the_flag_is_given(monkeypatch
 
 
 @NEEDS_CPU_BF16
+@pytest.mark.slow
 def test_the_gpu_check_script_runs_on_cpu(tmp_path):
     """scripts/gpu_check.sh, the script a GPU machine runs, with small shapes on CPU: every check that
     needs no GPU passes (bf16 log-probs, cached decoding, tokens/s reported, 2 steps of LOPD, SDPO, GRPO with
@@ -313,7 +314,7 @@ def test_the_gpu_check_script_runs_on_cpu(tmp_path):
                        capture_output=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in p.stdout.splitlines() if line.startswith("| ")}
-    for check in ("logprobs", "decoding", "tokens/s", "train lopd", "phi", "teacher reads", "train sdpo", "train grpo", "resume"):
+    for check in ("logprobs", "decoding", "tokens/s", "tokens/s lora", "train lopd", "phi", "teacher reads", "train sdpo", "train grpo", "resume"):
         assert table[check] == "ok", p.stdout
     assert table["memory lopd"] == table["torchrun"] == "skipped" and "the GPU parts are skipped" in p.stdout
     assert all(table[f"peak {phase}"] == "skipped" for phase in gpu_check.PHASES), p.stdout   # every phase, reported

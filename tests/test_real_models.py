@@ -463,7 +463,8 @@ def metrics(folder):
     return [{k: v for k, v in m.items() if k != "times"} for m in map(json.loads, open(os.path.join(folder, "metrics.jsonl")))]
 
 
-@pytest.mark.parametrize("arch,method", [("llama", "lopd"), ("qwen2", "opsd"), ("qwen3", "grpo"), ("gpt2", "sdpo")])
+@pytest.mark.parametrize("arch,method", [pytest.param("llama", "lopd", marks=pytest.mark.slow), pytest.param("qwen2", "opsd", marks=pytest.mark.slow),
+                                         ("qwen3", "grpo"), ("gpt2", "sdpo")])
 def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method, monkeypatch):
     """3 steps in one go (a process of its own) == 1 step, then --resume (in this process); then --export.
     Every scoring of a --model run goes through the LM head in chunks (--score_chunk's default, 256)."""
@@ -512,6 +513,7 @@ def torchrun(args, out_dir, n=2):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_matches_one_process_and_keeps_the_ranks_in_step(base_in, tmp_path):
     """LOPD holds the most state (the bank, φ, β). Under torchrun: the base's evaluation, split over the
     ranks and gathered, is the one process's; every rank takes the same updates (train.py checks at

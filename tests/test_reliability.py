@@ -315,6 +315,7 @@ def test_a_new_run_never_replaces_a_finished_or_resumable_one(tmp_path, base_in,
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the old run's lines are gone
 
 
+@pytest.mark.slow
 def test_a_corrupt_cache_is_reported_in_one_line_and_rebuilt(runs, tmp_path, capsys):
     """Torn or garbage cache files (the warm-up and a method's setup): one line each on stderr,
     then they are rebuilt, and the run's numbers are those of a run that built them from nothing."""
