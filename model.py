@@ -143,6 +143,28 @@ def merged(model):
     return model.merge_and_unload()
 
 
+@contextlib.contextmanager
+def lora_merged(model, on=True):
+    """θ's LoRA folded into its weights while it decodes (--merge_lora): a decoding step then runs one matmul per
+    linear layer instead of the LoRA's three and its adds, which is what bounds it on a GPU (one launch per op). The
+    base weights are saved first and copied back after, never un-merged (W + BA − BA is not W in floats), so θ0 and
+    the adapter train on exactly as before. The merged weights have the base's dtype: in bf16 BA is rounded there, and
+    the decoded policy differs from the scored one by that rounding (float32: token-identical in the tests)."""
+    if not on or not is_lora(model) or isinstance(model, Adapter):
+        yield model
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    saved = [(m, m.get_base_layer().weight.detach().clone()) for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    model.merge_adapter()
+    try:
+        yield model
+    finally:
+        model.unmerge_adapter()                                                 # peft's bookkeeping: nothing merged
+        with torch.no_grad():
+            for m, w in saved:
+                m.get_base_layer().weight.copy_(w)                              # the base, bit for bit
+
+
 def trainable_state(model):
     """What trains, as a state dict: the LoRA adapter (and trained token rows), or every weight."""
     if not is_lora(model):

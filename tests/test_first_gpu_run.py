@@ -114,3 +114,39 @@ def test_a_bf16_model_trains_float32_weights_only(bf16_lopd):
     reader = run.state["reader"]
     assert reader is not None and all(p.dtype == torch.float32 for p in reader.parameters() if p.requires_grad)
     assert all(p.dtype == torch.float32 for p in run.opt.param_groups[0]["params"] + run.state["opt_phi"].param_groups[0]["params"])
+
+
+def test_merged_lora_decodes_the_same_tokens_with_fewer_ops_and_leaves_the_weights_bit_for_bit(tmp_path):
+    """--merge_lora: θ's rollouts decode with the LoRA folded into the weights, one matmul a linear layer instead of
+    the LoRA's own ops (a decoding step on a GPU is bound by how many ops it launches); greedy tokens equal the
+    unmerged model's (float32), and after it every weight, base and adapter, is what it was, bit for bit (restored
+    from a copy, not un-merged)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    tok, model = M.load(tiny_hf.save(tmp_path / "qwen3", "qwen3"), dtype=torch.float32)
+    model = M.with_lora(model, tok, 4).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)                                               # a trained adapter: B ≠ 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bodies = [tok.turn("count the letters of " + "ab" * k, first=True) for k in (1, 4, 9)]
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def decode(merge):
+        Count.n = 0
+        with torch.no_grad(), M.lora_merged(model, merge), Count():
+            out = M.generate(model, tok, M.bos_prefix(model, tok, 3), bodies, 10, greedy=True)
+        return out, Count.n
+    (plain, ops_plain), (merged, ops_merged) = decode(False), decode(True)
+    assert merged == plain and any(len(row) > 1 for row in plain)
+    assert ops_merged < 0.7 * ops_plain, (ops_merged, ops_plain)                # measured: 2,661 against 4,201
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(getattr(m, "merged_adapters", []) for m in model.modules())  # peft sees nothing merged
