@@ -1,9 +1,13 @@
 """Held-out evaluation, every --eval_every steps and at the base: what metrics.jsonl's lines hold (docs/metrics.md).
 Sampled evaluation draws from a generator of its own, so training never depends on how often it evaluates."""
+import random
+
 import numpy as np
 import torch
 
 import envs
+import lopd
+import model as M
 from plumbing import bookkeeping as bk
 from plumbing import parallel
 from plumbing.registry import embed_context, with_default
@@ -19,7 +23,10 @@ def evaluate(run, rollout):
     context (does the context carry information?). rollout: train.rollout (step 1), as the run plays."""
     a, tasks = run.args, run.env.eval_tasks[:run.args.eval_tasks]
     rows = parallel.decode_rows(run, a.micro_batch or 128)                      # decoded at once: the KV cache's rows
-    play = lambda ts, **kw: parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
+
+    def play(ts, **kw):  # the student decodes alone (--merge_lora: its LoRA merged meanwhile)
+        with M.lora_merged(run.model, a.merge_lora):
+            return parallel.shared(run, lambda ts: rollout(run.model, run.tok, run.env, ts, rows=rows, **kw)[0], ts)
     run.lap()
     eps = play(tasks, greedy=True)
     out = {'reward': float(np.mean([e.reward for e in eps])), 'success': float(np.mean([e.success for e in eps]))}
@@ -42,5 +49,27 @@ def evaluate(run, rollout):
         out['teacher_reward'] = float(np.mean([e.reward for e in teps]))
         out['task_teacher_reward'] = [round(e.reward, 4) for e in teps]
         out['teacher_success'] = float(np.mean([e.success for e in teps]))
+        demos = expert_demos(run.env, tasks)                     # the same demos at every evaluation
+        out['teacher_demo_nll'] = demo_nll(run, run.teacher, prefixes, demos)
+        out['student_demo_nll'] = demo_nll(run, run.model, M.bos_prefix(run.model, run.tok, len(demos)), demos)
     run.lap('eval')
     return bk.log_eval(run, out)
+
+
+def expert_demos(env, tasks):
+    """One expert demo per task (env.demo, not noisy), seeded by its place in the list: held-out
+    trajectories that neither the student nor the teacher generated."""
+    return [envs.play(env, t, env.demo(t, random.Random(i))) for i, t in enumerate(tasks)]
+
+
+def demo_nll(run, model, prefixes, demos, rows=32):
+    """The mean over demos of −log π(a_t | context, x, a<t) per agent token: how likely `model`, reading
+    `prefixes`, finds an expert's actions. A continuous "knows more" beside the teacher's greedy reward."""
+    nll = []
+    for i in range(0, len(demos), rows):
+        enc = [M.encode_episode(run.tok, e) for e in demos[i:i + rows]]
+        ids, amask, attn = M.pad_batch([e[0] for e in enc], [e[1] for e in enc], run.tok.pad, run.device)
+        logits = M.logits_on(model, prefixes[i:i + rows], ids, attn, run.args.score_chunk, run.args.micro_batch)
+        logp = lopd.token_logp(logits, ids, amask)                                    # (rows, T), 0 off the mask
+        nll += (-(logp * amask).sum(1) / amask.sum(1).clamp(min=1)).tolist()
+    return float(np.mean(nll))

@@ -361,6 +361,31 @@ def test_evaluation_changes_no_state_and_logs_nothing(out, name):
             assert m[k] == (float(np.mean(vals)) if vals else None), k
 
 
+def test_demo_nll_is_each_demos_mean_agent_token_nll_scored_alone(out):
+    """The evaluation's teacher_demo_nll and student_demo_nll: the batched, padded scoring equals a slow loop that
+    scores one demo at a time, unpadded, and sums −log π over its agent tokens only; the latents change the teacher's."""
+    from plumbing import evaluation
+    run = tiny_run(out, "lopd")
+    tasks = run.env.eval_tasks[:5]
+    demos = evaluation.expert_demos(run.env, tasks)
+    assert all(d.success for d in demos) and demos == evaluation.expert_demos(run.env, tasks)  # experts, the same each time
+    prefixes = registry.with_default(run, registry.embed_context(run, run.method.context(run, [run.env.reset(t) for t in tasks])))
+
+    def slow(model, prefix, demo):
+        ids, mask = M.encode_episode(run.tok, demo)
+        with torch.no_grad():
+            logits = M.logits_on(model, [prefix], torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        return -sum(logp[t, ids[t]].item() for t in range(len(ids)) if mask[t]) / sum(mask)
+    with torch.no_grad():
+        for model, pre in [(run.teacher, prefixes), (run.model, M.bos_prefix(run.model, run.tok, len(tasks)))]:
+            want = np.mean([slow(model, p, d) for p, d in zip(pre, demos)])
+            assert evaluation.demo_nll(run, model, pre, demos, rows=2) == pytest.approx(want, rel=1e-4)
+        bare = M.bos_prefix(run.teacher, run.tok, len(tasks))
+        assert evaluation.demo_nll(run, run.teacher, prefixes, demos) != evaluation.demo_nll(run, run.teacher, bare, demos)
+    assert {"teacher_demo_nll", "student_demo_nll"} <= set(train.evaluate(run))
+
+
 def test_epochs_are_student_updates_toward_one_teacher_scoring(out, monkeypatch):
     """--epochs 3: the teacher scores the batch once, the student takes 3 steps on it, each loss from
     a fresh forward of the updated θ toward the same teacher logits; the after-step hook gets the
