@@ -387,9 +387,33 @@ def latents(run, eps, grad, found=None, read0=None):
 
 
 def write_back(run, eps):
-    """Step 7: successful rollouts join the bank (the bank keeps only successes)."""
+    """Step 7: successful rollouts join the bank (the bank keeps only successes), and with --replay the successes
+    that step 6 replays."""
     run.state['bank'].add([Experience(e.task.task_id, e.task.family, e.task.prompt,
                                                 run.env.trajectory_text(e), e.reward) for e in eps])
+    if run.args.replay:
+        keep_wins(run, eps)
+
+
+def keep_wins(run, eps):
+    """The successes among eps join those --replay draws from (the bank's capacity of them, the oldest go). The
+    fill's are kept whatever --replay says: a setup is shared by the runs that differ only after it."""
+    if run.state.get('wins') is not None:
+        run.state['wins'] += [e for e in eps if e.success]
+        del run.state['wins'][:-run.args.bank_capacity]
+
+
+def replay_loss(run):
+    """--replay R (a departure: competence replay): the cold start's loss on R successes drawn from those the run has
+    played (the bank's fill, the run's own since), so that step 6 grades φ also on trajectories that worked, not only
+    on the student's current rollouts (eq. (3) sees only those). -> a scalar with φ's graph (0 with --replay 0)."""
+    wins = run.state.get('wins') or []
+    if not run.args.replay or not wins:
+        return 0.0
+    eps = run.rng.sample(wins, min(run.args.replay, len(wins)))
+    rows = [(e, *M.encode_episode(run.tok, e)) for e in eps]
+    pick = [r + read for r, read in zip(rows, frozen_reading(run, rows))]
+    return lopd.masked_mean(*cold_start_loss(run, pick))
 
 
 def family_hit(run, eps, found):
@@ -471,6 +495,7 @@ def cold_start(run, rollout):
     reading are made once, not at every step (the reading was half of a step's time)."""
     a, s = run.args, run.state
     rows = fill_bank(run, rollout)
+    keep_wins(run, [r[0] for r in rows])
     rows = [r for r in rows if r[0].success] if a.cold_start == 'nll' else rows
     run.lap()
     rows = [r + read for i in range(0, len(rows), 32) for r, read in zip(rows[i:i + 32], frozen_reading(run, rows[i:i + 32]))]
@@ -558,6 +583,8 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **BANK_FLAGS,
                      after_setup=True, unless=FROZEN),
     'kl_weight': arg(1.0, "weight of eq. (3)'s KL term (1 = the paper's; 0 = a diagnostic: is it the KL or the drift "
                      "that costs a fast-moving φ its points?)", lo=0, after_setup=True, unless=FROZEN),
+    'replay': arg(0, "a departure (competence replay): step 6 adds the cold start's loss on this many successes a step, "
+                  "drawn from those the run has played (0 = the paper's eq. (3) alone)", lo=0, after_setup=True, unless=FROZEN),
     'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
                            "(no margin, no β)", after_setup=True)
 }

@@ -158,7 +158,8 @@ def sample_batch(run, tasks):
     roll = functools.partial(rollout, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                              rows=parallel.decode_rows(run, a.micro_batch))
     sample = run.method.sample or (lambda run, ts, roll: roll(run.model, run.tok, run.env, ts))
-    eps, bodies, masks = parallel.shared(run, lambda ts: sample(run, ts, roll), tasks)
+    with M.lora_merged(run.model, a.merge_lora):                                # --merge_lora: fewer ops a token
+        eps, bodies, masks = parallel.shared(run, lambda ts: sample(run, ts, roll), tasks)
     reward = torch.tensor([e.reward for e in eps], device=run.device)          # (B,) graded, in [0, 1]
     return Batch(eps, *M.pad_batch(bodies, masks, run.tok.pad, run.device), reward)
 
@@ -203,7 +204,8 @@ def lopd_step(run):
         margin_term = s['beta'] * (a.margin - lopd.privileged_margin(logp_t, logp_s, mask, w))  # β(m − Δ)
         dist = lopd.anchor(z, z0, relative=a.anchor == 'relative')  # ‖z − sg z0‖²
         anchor_term = a.lam * dist
-        bk.optimizer_step(run, s['opt_phi'], kl_term + margin_term + anchor_term, retrieval.phi(run))
+        loss_phi = kl_term + margin_term + anchor_term + retrieval.replay_loss(run)  # --replay: a departure
+        bk.optimizer_step(run, s['opt_phi'], loss_phi, retrieval.phi(run))
         delta = lopd.privileged_margin(logp_t.detach(), logp_s, mask, w, by_tokens=True)  # Δ, by tokens
         s['beta'] = lopd.dual_update(s['beta'], a.margin, delta, a.eta_beta)   # β ← max(0, β + η_β(m − Δ))
         logs = dict(delta=delta.item(), anchor=dist.item(), drift=lopd.drift(z, z0).item())
@@ -227,7 +229,7 @@ def lopd_state(run):
     frozen = lambda m: copy.deepcopy(m).requires_grad_(False) if m is not None else None
     lr_phi = run.args.lr_composer or run.args.lr or run.method.lr
     return {'bank': retrieval.new_bank(run), 'composer': composer, 'composer0': frozen(composer), 'reader': reader,
-            'reader0': frozen(reader), 'opt_phi': torch.optim.AdamW(retrieval.phi_params(composer, reader), lr=lr_phi,
+            'reader0': frozen(reader), 'wins': [], 'opt_phi': torch.optim.AdamW(retrieval.phi_params(composer, reader), lr=lr_phi,
                                                                   weight_decay=0.0), 'beta': 0.0}
 
 

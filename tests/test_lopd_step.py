@@ -132,3 +132,53 @@ def test_the_step_reads_in_fifty_lines_with_eq_3_as_three_terms():
     assert "run.step" not in src and "run.episodes" not in src and "set_lr" not in src
     assert "kl_term + margin_term + anchor_term" in src and "lopd.dual_update" in src
     assert "lopd.privileged_margin" in src and "lopd.composer_loss" not in src
+
+
+def test_replay_grades_phi_on_past_successes_with_the_cold_starts_loss(checkpoint):
+    """--replay R (a departure): step 6 adds the cold start's NLL of R successes drawn from those the run played,
+    equal to a slow reference (the teacher's NLL of each drawn demo's agent tokens behind the latents of what it
+    retrieves); its gradient reaches φ and nothing of θ; only successes are kept, at most the bank's capacity; a step
+    with it moves φ otherwise than one without, from the same checkpoint, and θ the same."""
+    import random
+    import envs
+    run = train.load_run(checkpoint)
+    assert all(e.success for e in run.state["wins"])                            # the fill's successes, kept by the setup
+    run.args.replay = 3
+    demos = [envs.play(run.env, t, run.env.demo(t, random.Random(i))) for i, t in enumerate(run.env.train_tasks[:6])]
+    fails = [envs.play(run.env, t, ["answer nobody"]) for t in run.env.train_tasks[6:9]]
+    run.state["wins"] = []
+    retrieval.write_back(run, demos + fails)
+    assert run.state["wins"] == demos
+    run.args.bank_capacity, saved = 4, run.args.bank_capacity
+    retrieval.keep_wins(run, [])
+    assert run.state["wins"] == demos[-4:]
+    run.args.bank_capacity = saved
+    rng = run.rng.getstate()
+    loss = retrieval.replay_loss(run)
+    run.rng.setstate(rng)
+    drawn = run.rng.sample(run.state["wins"], 3)
+    with torch.no_grad():
+        z = retrieval.latents(run, drawn, grad=False)
+        nll, n = 0.0, 0
+        for e, p in zip(drawn, z):
+            ids, mask = M.encode_episode(run.tok, e)
+            logits = M.logits_on(run.teacher, with_default(run, [p]), torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+            logp = torch.log_softmax(logits.float(), -1)
+            nll -= sum(logp[t, ids[t]].item() for t in range(len(ids)) if mask[t] and p is not None)
+            n += sum(mask) if p is not None else 0
+    assert n and loss.item() == pytest.approx(nll / n, rel=1e-4)
+    run.model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in run.state["composer"].parameters())
+    assert all(p.grad is None for p in run.model.parameters())
+    run.args.replay = 0
+    assert retrieval.replay_loss(run) == 0.0
+    after = {}
+    for replay in (0, 3):
+        run = train.load_run(checkpoint)
+        run.args.replay = replay
+        run.state["wins"] = demos
+        train.take_step(run)
+        after[replay] = state(run)
+    assert all(torch.equal(after[0]["theta"][k], after[3]["theta"][k]) for k in after[0]["theta"])
+    assert any(not torch.equal(after[0]["phi"][k], after[3]["phi"][k]) for k in after[0]["phi"])
