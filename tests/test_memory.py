@@ -165,7 +165,7 @@ def test_a_frozen_teacher_holding_phis_graph_is_checkpointed_per_layer(rows, lor
             assert not torch.allclose(M.logits_on(plain, prefixes, ids, attn), l0, atol=1e-3)
 
 
-@pytest.mark.parametrize("method", ["lopd", "sdpo", "grpo"])
+@pytest.mark.parametrize("method", ["lopd", pytest.param("sdpo", marks=pytest.mark.slow), pytest.param("grpo", marks=pytest.mark.slow)])
 def test_a_training_step_in_micro_batches_is_the_same_update(method, base_in, tmp_path, monkeypatch):
     """A whole step (LOPD's with its composer phase; a baseline's generic one) at --micro_batch 3 moves θ, φ
     and β as the whole batch does, from the same rollouts."""

@@ -464,7 +464,7 @@ def metrics(folder):
 
 
 @pytest.mark.parametrize("arch,method", [pytest.param("llama", "lopd", marks=pytest.mark.slow), pytest.param("qwen2", "opsd", marks=pytest.mark.slow),
-                                         ("qwen3", "grpo"), ("gpt2", "sdpo")])
+                                         ("qwen3", "grpo"), pytest.param("gpt2", "sdpo", marks=pytest.mark.slow)])
 def test_train_resume_and_export_with_lora(hf, tmp_path, arch, method, monkeypatch):
     """3 steps in one go (a process of its own) == 1 step, then --resume (in this process); then --export.
     Every scoring of a --model run goes through the LM head in chunks (--score_chunk's default, 256)."""
