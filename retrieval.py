@@ -578,7 +578,7 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **BANK_FLAGS,
                              choices=['balanced', 'stored']),
     'reader': arg('frozen', 'who reads the experiences for the composer: the frozen base, or a trainable copy',
                   choices=['frozen', 'trained']),
-    'advantage': arg('paper', "the margin's A(τ): paper = 2r − 1, centered = r − mean r over the batch, successes = "
+    'advantage': arg('paper', "the margin's weight w(τ) (eq. 2): paper = 2r − 1, centered = r − mean r over the batch, successes = "
                      "max(0, 2r − 1) (a departure: a margin on successes only)", choices=['paper', 'centered', 'successes'],
                      after_setup=True, unless=FROZEN),
     'kl_weight': arg(1.0, "weight of eq. (3)'s KL term (1 = the paper's; 0 = a diagnostic: is it the KL or the drift "

@@ -31,8 +31,13 @@ def runs(folder):
     return out
 
 
-def ci(c):
-    return '—' if c is None else f'{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]'
+def ci(c, points=True):
+    """(mean, lo, hi) -> 'mean [lo, hi]': in points (× 100) for a difference, as a fraction for a reward."""
+    if c is None:
+        return '—'
+    if points:
+        return f'{100 * c[0]:+.1f} [{100 * c[1]:+.1f}, {100 * c[2]:+.1f}]'.replace('-', '−')
+    return f'{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]'
 
 
 def row(arm, got, frozen):
@@ -47,14 +52,14 @@ def row(arm, got, frozen):
     nll = f"{mean('teacher_demo_nll', 0):.3f} → {mean('teacher_demo_nll', -1):.3f}"
     student_nll = f"{mean('student_demo_nll', 0):.3f} → {mean('student_demo_nll', -1):.3f}"
     end = lambda key: '' if np.isnan(mean(key, -1)) else f'{mean(key, -1):.3g}'
-    return (f"| {arm} | {len(got)} | {ci(reward)} | {ci(diff)} | {teacher} | {nll} | {student_nll} | {end('delta')} | "
+    return (f"| {arm} | {len(got)} | {ci(reward, points=False)} | {ci(diff)} | {teacher} | {nll} | {student_nll} | {end('delta')} | "
             f"{end('beta')} | {end('drift')} |")
 
 
 def table(folder, pairs):
     """pairs: [(frozen arm, [arms paired with it])] -> markdown lines."""
     got = runs(folder)
-    md = ['| arm | runs | final reward | − its frozen composer | teacher, first → last (rise) | teacher NLL of expert demos, '
+    md = ['| arm | runs | final reward | − its frozen composer (points) | teacher, first → last (rise, points) | teacher NLL of expert demos, '
           'first → last | student NLL of them | Δ | β | drift |', '|' + '---|' * 10]
     for frozen, arms in pairs:
         if frozen in got:

@@ -695,3 +695,25 @@ def test_paired_table_differences_on_common_seeds_and_tasks():
     md = "\n".join(report.paired_table(res))
     assert "| lopd | +0.375 [" in md and "| grpo | -0.125 [" in md and "+0.250 [+0.000, +0.750] |" in md
     assert report.paired({"1": [1, 1, 1, 1], "2": [1, 0, 1, 1]}, {"1": [0, 0, 1, 1], "2": [0, 0, 1, 1]})[0] == 0.375
+
+
+def test_the_regime_table_pairs_each_arm_with_its_own_frozen_composer(tmp_path):
+    """bench/regime.py: an arm is paired with the frozen arm named for it, on the same seeds and tasks (+25 points on
+    every task: the interval is that point), the teacher's rise is last − first on its own tasks, and a base prefix
+    (w4-) groups runs by base."""
+    from bench import regime
+    def run(name, final, teacher):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "summary.json").write_text("{}")
+        lines = [{"task_reward": [0.5] * 4, "task_teacher_reward": [0.5] * 2, "teacher_reward": 0.5},
+                 {"task_reward": [final] * 4, "task_teacher_reward": [teacher] * 2, "teacher_reward": teacher, "beta": 1.0}]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in lines))
+    for s in (100, 101):
+        run(f"w4-frozen-s{s}", 0.5, 0.5)
+        run(f"w4-phase-s{s}", 0.75, 0.25)
+    md = regime.table(str(tmp_path), [("frozen", ["phase"])])
+    frozen, phase = md[2].split(" | "), md[3].split(" | ")
+    assert frozen[0] == "| frozen" and frozen[1] == "2" and frozen[3] == "—"
+    assert phase[0] == "| phase" and phase[3] == "+25.0 [+25.0, +25.0]" and "(−25.0 [−25.0, −25.0])" in phase[4]
+    assert set(regime.runs(str(tmp_path))["phase"]) == {"w4-s100", "w4-s101"}

@@ -129,3 +129,14 @@ def test_every_command_of_the_current_pages_and_the_notebooks_parses(tmp_path):
         METHODS.clear()
         METHODS.update(before)
         entries.read_registry()
+
+
+def test_the_regime_paragraph_quotes_its_numbers_from_composer_phase_md():
+    """The README's one paragraph on when step 6 helps takes every interval it quotes (a mean and its 95% bounds,
+    in points) from docs/composer-phase.md, which holds the tables they come from."""
+    para = next(p for p in read("README.md").split("\n\n") if p.startswith("**When step 6 helps."))
+    quoted = re.findall(r"[−+]?\d+\.\d \[[−+]?\d+\.\d, [−+]?\d+\.\d\]", para)
+    doc = read("docs", "composer-phase.md")
+    assert len(quoted) >= 3, para
+    for q in quoted:
+        assert q in doc, f"the README quotes {q}, which docs/composer-phase.md does not hold"
