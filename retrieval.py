@@ -586,5 +586,5 @@ LOPD_FLAGS = {**DISTILL_FLAGS, **BANK_FLAGS,
     'replay': arg(0, "a departure (competence replay): step 6 adds the cold start's loss on this many successes a step, "
                   "drawn from those the run has played (0 = the paper's eq. (3) alone)", lo=0, after_setup=True, unless=FROZEN),
     'freeze_composer': arg(False, "the paper's frozen-composer ablation: skip step 6, so φ stays at its cold start "
-                           "(no margin, no β)", after_setup=True)
+                           "(no margin, no β; when step 6 helps: docs/composer-phase.md)", after_setup=True)
 }

@@ -127,6 +127,13 @@ def facts_03(out):
     assert glo > 0, (g, glo, ghi)
     assert float(re.search(r"‖z − z0‖² ([\d.e+-]+)", out).group(1)) > 1e-7  # far above float noise: φ moved
     assert re.search(r"retrieved experience is of the task's own family \d+% of the time", out)
+    # section 6, φ alone with the student frozen: the copy composer's teacher falls, decided, and most where only the
+    # latents carry the plan (the opaque families); the composer that must learn to read loses less
+    alone = {c: tuple(map(float, re.search(c + r"\s+teacher [\d.]+ -> [\d.]+ after 64 steps of φ alone: " + INTERVAL +
+                                          r"; on the \d+ tasks of an opaque family " + INTERVAL, out).groups()))
+             for c in ("qformer-copy", "qformer")}
+    assert alone["qformer-copy"][2] < 0 and alone["qformer-copy"][3] < alone["qformer-copy"][0], alone
+    assert alone["qformer"][0] > alone["qformer-copy"][0], alone
 
 
 def facts_04(out, gap):
