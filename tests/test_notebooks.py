@@ -2,7 +2,7 @@
 
 Every notebook in notebooks/ is executed top to bottom in a fresh `python3` kernel, with
 notebooks/ as the working directory (as when a reader opens it in Jupyter); a cell that
-raises fails the test. Each notebook takes under two minutes on 2 CPU cores; executing them is
+raises fails the test. Each notebook takes under two minutes on 2 CPU cores (notebook 3 about five); executing them is
 opt-in (LOPD_NOTEBOOKS=1 python -m pytest tests/test_notebooks.py -q), the style check is not. The executed
 copy stays in memory: the committed outputs are not touched. They share one warmed-up base, the
 default one `python train.py` builds (so a reader who ran it has it cached in runs/), built once per
@@ -119,7 +119,7 @@ INTERVAL = r"([-+]\d\.\d+) \[([-+]\d\.\d+), ([-+]\d\.\d+)\]"
 def facts_03(out):
     """The teacher with its latents above its student, most of it specific to the family (another family's
     latents give less), the student's gain after a short run of all seven steps, each with an interval
-    excluding 0; and step 6 moved φ."""
+    excluding 0; and step 6 moved φ. Then φ alone (section 6): the copy's teacher falls, the random composer's less."""
     gap, lo, hi = map(float, re.search(r"teacher, its latents\s+[\d.]+\s+minus the student " + INTERVAL, out).groups())
     other = float(re.search(r"teacher, another family's latents\s+[\d.]+\s+minus the student " + INTERVAL, out).group(1))
     assert lo > 0 and other < gap, (gap, lo, other)
