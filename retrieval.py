@@ -391,7 +391,7 @@ def write_back(run, eps):
     that step 6 replays."""
     run.state['bank'].add([Experience(e.task.task_id, e.task.family, e.task.prompt,
                                                 run.env.trajectory_text(e), e.reward) for e in eps])
-    if run.args.replay:
+    if 'wins' in run.state and run.args.replay:  # LOPD's state; another method's bank keeps no wins
         keep_wins(run, eps)
 
 

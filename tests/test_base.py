@@ -82,6 +82,7 @@ def test_the_gate_adds_the_reading_tail_only_where_the_base_does_not_read(tmp_pa
     assert same(reads, no_gate) and not same(under, no_gate)
 
 
+@pytest.mark.slow
 def test_played_is_what_greedy_decoding_plays(tmp_path, monkeypatch):
     """played (teacher-forced: every agent token the argmax) against the slow reference, greedy decoding itself:
     the base's own greedy episodes, behind their contexts, are played; with one action changed, they are not."""
@@ -101,6 +102,7 @@ def test_played_is_what_greedy_decoding_plays(tmp_path, monkeypatch):
                                                                   for e, d in zip(eps, demos)]
 
 
+@pytest.mark.slow
 def test_warmup_seed_is_another_draw_and_the_default_is_the_shipped_bases(tmp_path, monkeypatch):
     assert train.parse_args([]).warmup_seed == warmup.manifest()["recipe"]["warmup_seed"] == 4
     a, _ = build(tmp_path / "a", [], 0, monkeypatch)

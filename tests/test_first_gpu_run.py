@@ -96,6 +96,7 @@ def bf16_lopd(tmp_path_factory):
 
 
 @NEEDS_CPU_BF16
+@pytest.mark.slow
 def test_the_teacher_gap_runs_on_a_bf16_model(bf16_lopd):
     run = bf16_lopd
     assert next(run.model.parameters()).dtype == torch.bfloat16 and run.state["composer"].parameters().__next__().dtype == torch.float32
@@ -104,6 +105,7 @@ def test_the_teacher_gap_runs_on_a_bf16_model(bf16_lopd):
 
 
 @NEEDS_CPU_BF16
+@pytest.mark.slow
 def test_a_bf16_model_trains_float32_weights_only(bf16_lopd):
     """LoRA's adapter (θ) and a trained reader (φ's part of the base) are float32: AdamW's small steps would round
     away in bf16 weights; the frozen base stays bf16."""

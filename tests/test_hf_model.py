@@ -38,6 +38,7 @@ def test_load_adds_the_turn_specials_and_resizes(hf_dir):
     assert tok.eot not in tok.encode("a <|eot|> b")
 
 
+@pytest.mark.slow
 def test_train_runs_with_model_path(hf_dir, tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--model", str(hf_dir), "--episodes", "32", "--batch", "16",
                         "--warmup_steps", "3", "--warmup_batch", "8", "--init_episodes", "16",
